@@ -1,0 +1,1 @@
+"""tgserve.kernels: Triton attention kernels, each with a torch reference twin."""

@@ -1,0 +1,1 @@
+"""tgserve.router: the HTTP front end (FastAPI + uvicorn). Never imports torch."""

@@ -1,0 +1,1 @@
+"""Plain-Python scheduling: requests, scheduler and block manager. Never imports torch."""

@@ -1,0 +1,71 @@
+"""Per-request sampling parameters, validated once when the request is made."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses; the message names the problem and the limit."""
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise InvalidRequestError(message)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    temperature 0 means greedy. `logprobs=None` returns no log-probabilities; `logprobs=n` returns
+    the chosen token's log-probability and the n most likely alternatives (n may be 0).
+    Log-probabilities are those of the model's own distribution, before any penalty or warper.
+    """
+
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    typical_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check(
+            isinstance(self.max_new_tokens, int) and self.max_new_tokens > 0,
+            f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}",
+        )
+        _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
+        _check(self.top_k >= 0, f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        _check(0.0 < self.typical_p <= 1.0, f"typical_p must be in (0, 1], got {self.typical_p}")
+        _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
+        _check(self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        _check(
+            -2.0 <= self.frequency_penalty <= 2.0,
+            f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+        )
+        _check(
+            -2.0 <= self.presence_penalty <= 2.0,
+            f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+        )
+        _check(self.logprobs is None or self.logprobs >= 0, f"logprobs must be >= 0, got {self.logprobs}")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop", tuple(self.stop))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0

@@ -1,0 +1,26 @@
+"""tgserve: a text-generation inference server.
+
+`from tgserve import LLM, SamplingParams` is the offline API. The names are resolved lazily so that
+`import tgserve` stays cheap (no torch) for the router process.
+"""
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "__version__"]
+
+if TYPE_CHECKING:
+    from tgserve.server.llm import LLM
+    from tgserve.server.sampling_params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LLM":
+        from tgserve.server.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from tgserve.server.sampling_params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'tgserve' has no attribute {name!r}")

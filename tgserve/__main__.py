@@ -1,0 +1,5 @@
+import sys
+
+from tgserve.cli import main
+
+sys.exit(main())

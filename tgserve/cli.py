@@ -1,0 +1,25 @@
+"""The `tgserve` command line. The only place that reads environment variables."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tgserve", description="Text-generation inference server")
+    sub = parser.add_subparsers(dest="command", required=True)
+    from tgserve.server.cli_generate import add_generate_command
+
+    add_generate_command(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(args.handler(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
