@@ -1,0 +1,50 @@
+"""What the engine reports after each step, per request that produced tokens or finished."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The chosen token's log-probability and, when asked, the top alternatives (id, logprob), best first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """A delta: the tokens a request gained in one step (usually one), and whether it has finished.
+
+    finish_reason is None while running, else "length", "eos_token", "stop_sequence" or "abort".
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob] | None
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for metrics: queue sizes, KV usage and counters since start."""
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_preemptions: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # prompt tokens found there
+    step_num_tokens: int = 0  # tokens computed in the last step
+    step_num_seqs: int = 0  # requests in the last step
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return 1.0 - self.num_free_blocks / max(1, self.num_total_blocks)
