@@ -1,0 +1,223 @@
+"""Paged KV-cache bookkeeping: which blocks each request owns, reference counts and prefix caching.
+
+Plain Python over `Request` objects; the tensors live in the model runner, which only ever sees
+block ids. Block 0 is an ordinary block: nothing here needs a reserved "null" block, and a runner
+that wants a scratch block for padded (CUDA-graph) slots uses slot -1 or sizes its pool one larger.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from tgserve.server.core.request import Request
+
+# The hash of a block is hash((parent_block_hash, tuple(token_ids))); the first block's parent is None.
+BlockHash = int
+
+
+class _Block:
+    """One block of `block_size` KV slots. A block with a hash holds a full, reusable prefix block."""
+
+    __slots__ = ("block_id", "ref_count", "block_hash")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.block_hash: BlockHash | None = None
+
+
+def hash_block(parent_hash: BlockHash | None, token_ids: tuple[int, ...]) -> BlockHash:
+    """Chain a full block's tokens onto its parent's hash, so equal blocks match only after equal prefixes."""
+    return hash((parent_hash, token_ids))
+
+
+class BlockManager:
+    """Owns the pool of `num_blocks` KV blocks of `block_size` tokens each.
+
+    Each request (by id) owns an ordered list of blocks; block i holds its tokens
+    [i * block_size, (i + 1) * block_size). Blocks are reference counted so that requests with a
+    common prefix share the full blocks of that prefix. A free block keeps its hash (its KV stays
+    valid) until it is reused for something else, so a finished request's prefix can still be hit.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._blocks = [_Block(i) for i in range(num_blocks)]
+        # Free blocks in reuse order (front first). An OrderedDict gives O(1) removal of a cached
+        # block from the middle when a new request touches it.
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._hash_to_block: dict[BlockHash, int] = {}
+        self._req_blocks: dict[str, list[int]] = {}
+        # Per request: hashes of its full blocks computed so far (tokens only grow, so they stay valid).
+        self._req_hashes: dict[str, list[BlockHash]] = {}
+        # Per request: how many of its leading blocks are already registered in the cache.
+        self._req_num_cached_blocks: dict[str, int] = {}
+        # Requests whose lookup was counted since they were (re)queued: the scheduler may look a
+        # waiting request up on several steps before it fits, and that is one query, not several.
+        self._lookups_counted: set[str] = set()
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # ---- sizes ---------------------------------------------------------------------------------
+
+    @property
+    def num_total_blocks(self) -> int:
+        """Blocks in the pool."""
+        return len(self._blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks owned by no request (some of them may still hold cached prefixes)."""
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the pool owned by requests, 0..1."""
+        return 1.0 - self.num_free_blocks / self.num_total_blocks
+
+    @property
+    def max_tokens_in_pool(self) -> int:
+        """The most tokens one request can ever hold: a longer prompt must be rejected up front."""
+        return self.num_total_blocks * self.block_size
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's blocks in token order (a copy; empty for an unknown request)."""
+        return list(self._req_blocks.get(request_id, ()))
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold num_tokens tokens."""
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache --------------------------------------------------------------------------
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Longest run of cached full blocks that matches the start of the request's tokens.
+
+        Returns (block_ids, num_computed_tokens). At least one token is always left to compute,
+        because the step that computes it is the one that produces the next token's logits.
+        Counts prefix-cache queries and hits in tokens, once per request until it is freed.
+        Allocates nothing: pass the blocks to `allocate_slots`.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        block_ids: list[int] = []
+        for block_hash in self._block_hashes(request, max_blocks):
+            block_id = self._hash_to_block.get(block_hash)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        num_computed = len(block_ids) * self.block_size
+        if request.request_id not in self._lookups_counted:
+            self._lookups_counted.add(request.request_id)
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_computed
+        return block_ids, num_computed
+
+    def cache_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Register the hashes of the request's blocks that computed tokens now fill completely."""
+        if not self.enable_prefix_caching:
+            return
+        block_ids = self._req_blocks.get(request.request_id)
+        if block_ids is None:
+            return
+        num_full = min(num_computed_tokens // self.block_size, len(block_ids))
+        start = self._req_num_cached_blocks.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        hashes = self._block_hashes(request, num_full)
+        for i in range(start, num_full):
+            block = self._blocks[block_ids[i]]
+            # Two requests that computed the same prefix at once hold equal blocks; the first one
+            # registered stays the cached copy and the other is simply not findable.
+            if block.block_hash is None and hashes[i] not in self._hash_to_block:
+                block.block_hash = hashes[i]
+                self._hash_to_block[hashes[i]] = block.block_id
+        self._req_num_cached_blocks[request.request_id] = num_full
+
+    def _block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
+        """Hashes of the request's first num_blocks full blocks, extending the memo as needed."""
+        hashes = self._req_hashes.setdefault(request.request_id, [])
+        tokens = request.all_token_ids
+        size = self.block_size
+        for i in range(len(hashes), num_blocks):
+            parent = hashes[i - 1] if i else None
+            hashes.append(hash_block(parent, tuple(tokens[i * size : (i + 1) * size])))
+        return hashes[:num_blocks]
+
+    # ---- allocation ----------------------------------------------------------------------------
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None
+    ) -> list[int] | None:
+        """Make the request own enough blocks for its computed tokens plus num_new_tokens.
+
+        computed_blocks (from `get_computed_blocks`) are only accepted for a request that owns no
+        blocks yet; their tokens count as computed. Returns the block ids newly added to the
+        request (the computed ones first), or None when the pool is short, in which case nothing
+        changes.
+        """
+        request_id = request.request_id
+        owned = self._req_blocks.get(request_id, [])
+        computed = list(computed_blocks or ())
+        if computed and owned:
+            raise ValueError(
+                f"request {request_id!r} already owns blocks; computed_blocks are for a fresh one"
+            )
+        num_tokens = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        num_fresh = self.num_blocks_for(num_tokens) - len(owned) - len(computed)
+        # A cached block that nobody owns sits in the free list: touching it uses up a free block.
+        num_revived = sum(1 for b in computed if self._blocks[b].ref_count == 0)
+        if max(num_fresh, 0) + num_revived > self.num_free_blocks:
+            return None
+        for block_id in computed:
+            self._touch(block_id)
+        fresh = [self._take_free_block() for _ in range(max(num_fresh, 0))]
+        new_blocks = computed + fresh
+        if request_id not in self._req_blocks:
+            self._req_blocks[request_id] = []
+            self._req_num_cached_blocks[request_id] = len(computed)
+        self._req_blocks[request_id].extend(new_blocks)
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        """Drop the request's references; blocks nobody else owns go back to the free list.
+
+        Blocks are released tail first, so the end of a prefix (the part least likely to be shared)
+        is evicted before its beginning. Safe to call for a request that owns nothing.
+        """
+        request_id = request.request_id
+        for block_id in reversed(self._req_blocks.pop(request_id, [])):
+            block = self._blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._release(block)
+        self._req_hashes.pop(request_id, None)
+        self._req_num_cached_blocks.pop(request_id, None)
+        self._lookups_counted.discard(request_id)
+
+    def _touch(self, block_id: int) -> None:
+        block = self._blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
+
+    def _take_free_block(self) -> int:
+        """Pop the least recently freed block, evicting the prefix it cached."""
+        block_id, _ = self._free.popitem(last=False)
+        block = self._blocks[block_id]
+        if block.block_hash is not None:
+            # A block carries a hash only while the cache maps that hash to it (cache_full_blocks).
+            del self._hash_to_block[block.block_hash]
+            block.block_hash = None
+        block.ref_count = 1
+        return block_id
+
+    def _release(self, block: _Block) -> None:
+        self._free[block.block_id] = None
+        if block.block_hash is None:
+            # A block without a hash holds nothing reusable: hand it out before any cached block.
+            self._free.move_to_end(block.block_id, last=False)

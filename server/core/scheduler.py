@@ -1,0 +1,276 @@
+"""The scheduler: one rule, every request's num_computed_tokens catches up with its num_tokens.
+
+Each step hands out a token budget: running requests first, in the order they were admitted (a
+decoding request gets one token, a prompt still being prefilled gets the next chunk), then waiting
+requests first come, first served. When blocks run out the newest running request is preempted:
+its blocks are freed and it is recomputed later. Plain Python; the model runner sees only the
+`SchedulerOutput`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from tgserve.server.config import SchedulerConfig
+from tgserve.server.core.block_manager import BlockManager
+from tgserve.server.core.request import FinishReason, Request, RequestStatus
+from tgserve.server.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from tgserve.server.outputs import EngineStats
+
+
+class _StepPlan:
+    """The output of one `schedule()` call while it is being built."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.new: list[NewRequestData] = []
+        self.cached: list[CachedRequestData] = []
+        self.num_scheduled: dict[str, int] = {}
+        self.preempted: set[str] = set()
+
+    def add(self, request: Request, num_tokens: int) -> None:
+        self.num_scheduled[request.request_id] = num_tokens
+        self.budget -= num_tokens
+
+
+class Scheduler:
+    """Decides, step by step, which requests compute how many tokens, and tracks their lifecycle.
+
+    Usage per engine step: `schedule()`, run the model on the output, then
+    `update_from_output(output, sampled_token_ids)`. Requests enter with `add_request` and leave by
+    finishing (stop conditions), `abort_requests` or `finish_request`; finished ids reach the
+    runner in the next `SchedulerOutput.finished_request_ids`.
+    """
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager | None = None) -> None:
+        self.config = config
+        self.block_manager = block_manager or BlockManager(
+            config.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last one is the newest
+        self._requests: dict[str, Request] = {}
+        self._finished_ids: set[str] = set()  # to report in the next SchedulerOutput
+        self._num_preemptions = 0
+        self._last_step_tokens = 0
+        self._last_step_seqs = 0
+        # A request can never hold more tokens than the pool, whatever max_model_len says; stopping
+        # there (LENGTH) keeps a lone request from preempting itself forever.
+        self._max_len = min(config.max_model_len, self.block_manager.max_tokens_in_pool)
+
+    # ---- requests in and out -------------------------------------------------------------------
+
+    @property
+    def max_tokens_in_pool(self) -> int:
+        """The longest prompt that can ever be scheduled; the caller rejects longer ones."""
+        return self.block_manager.max_tokens_in_pool
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request (FCFS). Raises ValueError for a duplicate id or an impossible prompt."""
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.num_tokens > self.max_tokens_in_pool:
+            raise ValueError(
+                f"request {request.request_id!r} has {request.num_tokens} tokens but the KV cache holds "
+                f"at most {self.max_tokens_in_pool}"
+            )
+        request.status = RequestStatus.WAITING
+        self._requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: list[str] | set[str] | tuple[str, ...]) -> None:
+        """Finish waiting or running requests with FinishReason.ABORT; unknown ids are ignored."""
+        for request_id in request_ids:
+            self.finish_request(request_id, FinishReason.ABORT)
+
+    def finish_request(self, request_id: str, reason: FinishReason) -> None:
+        """Finish a request from outside (abort, stop string): free its blocks, report it next step."""
+        request = self._requests.get(request_id)
+        if request is not None:
+            self._finish(request, reason)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The unfinished request with this id, or None (finished requests are forgotten)."""
+        return self._requests.get(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is waiting or running."""
+        return bool(self.waiting or self.running)
+
+    def has_finished_requests(self) -> bool:
+        """True when finished ids are waiting to be reported to the runner by the next `schedule()`."""
+        return bool(self._finished_ids)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_preemptions(self) -> int:
+        """Preemptions since start."""
+        return self._num_preemptions
+
+    def stats(self) -> EngineStats:
+        """A snapshot for metrics."""
+        bm = self.block_manager
+        return EngineStats(
+            num_running=self.num_running,
+            num_waiting=self.num_waiting,
+            num_free_blocks=bm.num_free_blocks,
+            num_total_blocks=bm.num_total_blocks,
+            num_preemptions=self._num_preemptions,
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits,
+            step_num_tokens=self._last_step_tokens,
+            step_num_seqs=self._last_step_seqs,
+        )
+
+    # ---- one step --------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan the next step. Does not advance num_computed_tokens: `update_from_output` does.
+
+        The only change made to a request's num_computed_tokens here is setting it to its
+        prefix-cache hits when it is admitted, since those tokens are already in the KV cache.
+        """
+        plan = _StepPlan(self.config.max_num_batched_tokens)
+        self._schedule_running(plan)
+        # After a preemption the pool is known to be short: admitting newcomers would only get them
+        # (or the requests just preempted) preempted again.
+        if not plan.preempted:
+            self._schedule_waiting(plan)
+        finished = self._finished_ids | plan.preempted
+        self._finished_ids = set()
+        total = sum(plan.num_scheduled.values())
+        self._last_step_tokens, self._last_step_seqs = total, len(plan.num_scheduled)
+        return SchedulerOutput(
+            scheduled_new_requests=plan.new,
+            scheduled_cached_requests=plan.cached,
+            num_scheduled_tokens=plan.num_scheduled,
+            total_num_scheduled_tokens=total,
+            finished_request_ids=finished,
+            preempted_request_ids=plan.preempted,
+        )
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        i = 0
+        while i < len(self.running) and plan.budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, plan.budget)
+            new_blocks = self._allocate_or_preempt(request, num_new, plan)
+            if new_blocks is None:
+                break  # it preempted itself: it was the newest, nothing runs after it
+            plan.add(request, num_new)
+            plan.cached.append(CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens))
+            i += 1
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, plan: _StepPlan) -> list[int] | None:
+        """Blocks for `request`, preempting the newest running requests until they fit.
+
+        Returns None when `request` itself had to be preempted.
+        """
+        while True:
+            new_blocks = self.block_manager.allocate_slots(request, num_new)
+            if new_blocks is not None:
+                return new_blocks
+            victim = self.running.pop()
+            self._preempt(victim)
+            plan.preempted.add(victim.request_id)
+            if victim is request:
+                return None
+
+    def _preempt(self, request: Request) -> None:
+        """Free the request's blocks and requeue it at the front; its tokens are recomputed later."""
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self._num_preemptions += 1
+        # Victims are taken newest first, so each older one goes in front of the newer ones.
+        self.waiting.appendleft(request)
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        bm = self.block_manager
+        while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            # A waiting request (new or preempted) has nothing in its own blocks; look up the cache
+            # each time it is tried, since blocks may have been cached or evicted since.
+            computed_blocks, num_cached = bm.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_cached, plan.budget)
+            new_blocks = bm.allocate_slots(request, num_new, computed_blocks)
+            if new_blocks is None:
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            plan.add(request, num_new)
+            plan.new.append(
+                NewRequestData(
+                    request_id=request.request_id,
+                    token_ids=list(request.all_token_ids),
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    block_ids=bm.get_block_ids(request.request_id),
+                    num_computed_tokens=num_cached,
+                    sampling_params=request.sampling_params,
+                )
+            )
+
+    # ---- after the step --------------------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, int]
+    ) -> list[Request]:
+        """Apply a finished step: advance computed tokens, append sampled tokens, apply stop rules.
+
+        sampled_token_ids must hold a token for every request whose computed tokens reach its
+        num_tokens this step. Requests finished or aborted while the step ran are skipped.
+        Returns the requests that got a token (finished or not), in scheduling order.
+        """
+        updated: list[Request] = []
+        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self._requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += num_tokens
+            self.block_manager.cache_full_blocks(request, request.num_computed_tokens)
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # a prefill chunk: no logits to sample from yet
+            if request_id not in sampled_token_ids:
+                raise ValueError(f"request {request_id!r} reached its last token but nothing was sampled")
+            token_id = sampled_token_ids[request_id]
+            request.append_output_token(token_id)
+            reason = self._stop_reason(request, token_id)
+            if reason is not None:
+                self._finish(request, reason)
+            updated.append(request)
+        return updated
+
+    def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
+        # The token that ended generation says more than the limit it happened to reach, so the
+        # token checks come first.
+        params = request.sampling_params
+        if not params.ignore_eos and token_id in request.eos_token_ids:
+            return FinishReason.EOS_TOKEN
+        if token_id in params.stop_token_ids:
+            return FinishReason.STOP_SEQUENCE
+        if request.num_output_tokens >= params.max_new_tokens or request.num_tokens >= self._max_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.block_manager.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        del self._requests[request.request_id]
+        self._finished_ids.add(request.request_id)
