@@ -1,0 +1,39 @@
+"""Per-step attention metadata: where each sequence's queries sit and where its KV lives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Flat variable-length batch description, built once per step by the model runner.
+
+    Queries of sequence i are rows query_start_loc[i]:query_start_loc[i+1] of the flat batch, and
+    are the last q_len positions of a context of seq_lens[i] tokens (this step's included).
+    slot_mapping[t] = block_id * block_size + offset for token t (-1: do not write).
+    The *_cpu lists carry the same numbers on the host, for loops that must not synchronise.
+    """
+
+    query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
+    seq_lens: torch.Tensor  # int32 [num_seqs]
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks_per_seq]
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def max_query_len(self) -> int:
+        starts = self.query_start_loc_cpu
+        return max((b - a for a, b in zip(starts, starts[1:])), default=0)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_cpu, default=0)

@@ -1,0 +1,59 @@
+"""The per-step context through which model layers reach the backend, the metadata and their KV views.
+
+Models never take backend arguments in their forward signature (that is how model files get forked
+per backend); the runner sets this context once per step and attention layers read it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from tgserve.server.attention.backend import AttentionBackend, AttentionLayerParams
+from tgserve.server.attention.metadata import AttentionMetadata
+from tgserve.server.kv_cache import KVCacheSpec
+
+
+@dataclass
+class ForwardContext:
+    backend: AttentionBackend
+    metadata: AttentionMetadata
+    kv_caches: list[torch.Tensor]
+    specs: list[KVCacheSpec]
+
+
+_current: ForwardContext | None = None
+
+
+@contextmanager
+def forward_context(context: ForwardContext) -> Iterator[None]:
+    """Make `context` the current one for the duration of a forward pass."""
+    global _current
+    previous, _current = _current, context
+    try:
+        yield
+    finally:
+        _current = previous
+
+
+def get_forward_context() -> ForwardContext:
+    if _current is None:
+        raise RuntimeError("attention was called outside a forward pass set up by the model runner")
+    return _current
+
+
+def paged_attention(
+    layer_idx: int,
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention for layer `layer_idx` of the current step, reading and writing its KV view."""
+    ctx = get_forward_context()
+    layer = AttentionLayerParams(ctx.specs[layer_idx], scale, softcap)
+    return ctx.backend.forward(query, key, value, ctx.kv_caches[layer_idx], ctx.metadata, layer)

@@ -1,0 +1,1 @@
+"""Model implementations: native families and the transformers fallback, found through a lazy registry."""

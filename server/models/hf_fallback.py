@@ -1,0 +1,133 @@
+"""The transformers fallback: any decoder-only HF architecture, attending through the engine's paged cache.
+
+Models whose attention dispatches through transformers' `AttentionInterface` get tgserve's attention
+function registered there: they read and write the paged cache like native models. The few that
+bypass it (e.g. Falcon) call `past_key_values.update()` instead; for them a `PagedCacheAdapter`
+writes the step's keys and values into the paged cache and hands back each sequence's gathered
+context, with a block-diagonal causal mask over the concatenated contexts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from tgserve.server.forward_context import get_forward_context, paged_attention
+from tgserve.server.models.paged_cache_adapter import PagedCacheAdapter, packed_context_mask
+
+ATTENTION_NAME = "tgserve_paged"
+_registered = False
+
+
+def _paged_attention_function(
+    module: nn.Module,
+    query: torch.Tensor,  # [1, H, T, D]
+    key: torch.Tensor,  # [1, H_kv, T, D]
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers calls this in place of eager/sdpa attention; the batch is one flat sequence."""
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
+    out = paged_attention(module.layer_idx, q, k, v, scale, softcap)
+    return out[None], None  # [1, T, H, D], as transformers' attention functions return
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    """The paged backend masks by itself (causal, per sequence, windows): transformers builds none."""
+    return None
+
+
+def register_attention() -> None:
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION_NAME, _paged_attention_function)
+    AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
+    _registered = True
+
+
+def supports_attention_interface(model_class: type) -> bool:
+    return bool(getattr(model_class, "_supports_attention_backend", False))
+
+
+class TransformersFallbackModel(nn.Module):
+    """Wraps an HF `*ForCausalLM` so that it takes the engine's flat batch and paged cache."""
+
+    def __init__(self, hf_model: nn.Module) -> None:
+        super().__init__()
+        self.hf_model = hf_model
+        self.config = hf_model.config
+        self.uses_attention_interface = supports_attention_interface(type(hf_model))
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor
+    ) -> torch.Tensor:
+        kwargs: dict[str, Any] = {"use_cache": False}
+        if not self.uses_attention_interface:
+            ctx = get_forward_context()
+            kwargs = {
+                "use_cache": True,
+                "past_key_values": PagedCacheAdapter(ctx),
+                "attention_mask": packed_context_mask(ctx, dtype=self._dtype()),
+            }
+        out = self.hf_model(
+            input_ids=input_ids[None],
+            position_ids=positions[None],
+            logits_to_keep=logits_indices,
+            **kwargs,
+        )
+        return out.logits[0]
+
+    def _dtype(self) -> torch.dtype:
+        return next(self.hf_model.parameters()).dtype
+
+
+def load_fallback_model(
+    path: str,
+    config: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    gguf_file: str | None,
+    trust_remote_code: bool,
+) -> TransformersFallbackModel:
+    """Load the HF model with tgserve's attention, or as is for models that bypass the interface."""
+    from transformers import AutoModelForCausalLM
+
+    register_attention()
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        path,
+        config=config,
+        dtype=dtype,
+        gguf_file=gguf_file,
+        trust_remote_code=trust_remote_code,
+        attn_implementation=ATTENTION_NAME
+        if _class_supports_interface(config, trust_remote_code)
+        else "eager",
+    )
+    return TransformersFallbackModel(hf_model.to(device).eval())
+
+
+def _class_supports_interface(config: Any, trust_remote_code: bool) -> bool:
+    """Whether the registered transformers class dispatches attention through `AttentionInterface`.
+
+    Remote-code models are assumed to (recent ones do); loading fails clearly if one does not.
+    """
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        return True
+    if isinstance(model_class, (list, tuple)):
+        model_class = model_class[0]
+    return supports_attention_interface(model_class)

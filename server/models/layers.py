@@ -1,0 +1,130 @@
+"""Building blocks shared by the native models: norms, rotary embeddings and fused-weight loading."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32, as the HF implementations do."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """RoPE settings from a transformers 5 (`rope_parameters`) or 4.x (`rope_theta`, `rope_scaling`) config."""
+    params = getattr(config, "rope_parameters", None)
+    if params:
+        return dict(params)
+    scaling = dict(getattr(config, "rope_scaling", None) or {})
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    return {**scaling, "rope_type": rope_type, "rope_theta": getattr(config, "rope_theta", 10000.0)}
+
+
+def rope_inverse_frequencies(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the cos/sin scaling factor, for default RoPE and transformers' scaled types."""
+    params = rope_parameters(config)
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim
+        return 1.0 / (params["rope_theta"] ** exponents), 1.0
+    if rope_type == "dynamic":
+        raise ValueError("dynamic NTK RoPE scaling changes with the sequence length and is not supported")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    return inv_freq, float(scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half (GPT-NeoX style) rotary embedding applied at explicit positions."""
+
+    def __init__(self, config: Any, head_dim: int) -> None:
+        super().__init__()
+        inv_freq, self.scaling = rope_inverse_frequencies(config, head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # query [T, H, D], key [T, H_kv, D]; cos/sin [T, 1, D]
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        cos = (emb.cos() * self.scaling).to(query.dtype)
+        sin = (emb.sin() * self.scaling).to(query.dtype)
+        return query * cos + rotate_half(query) * sin, key * cos + rotate_half(key) * sin
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class FusedWeightLoader:
+    """Copies checkpoint tensors into a model whose parameters fuse several checkpoint tensors.
+
+    `stacked` maps a checkpoint module name (e.g. "q_proj") to (fused module name, shard index), and
+    `shard_sizes[fused module name]` gives each shard's rows. Missing or unexpected weights raise with their names.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        stacked: dict[str, tuple[str, int]],
+        shard_sizes: dict[str, list[int]],
+        ignored_suffixes: tuple[str, ...] = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias"),
+    ) -> None:
+        self.params = dict(model.named_parameters())
+        self.stacked = stacked
+        self.shard_sizes = shard_sizes
+        self.ignored_suffixes = ignored_suffixes
+        self.loaded: set[str] = set()
+
+    def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in weights:
+            if name.endswith(self.ignored_suffixes):
+                continue
+            self._load_one(name, tensor)
+
+    def _load_one(self, name: str, tensor: torch.Tensor) -> None:
+        for part, (fused, shard) in self.stacked.items():
+            if f".{part}." in name:
+                target = name.replace(f".{part}.", f".{fused}.")
+                sizes = self.shard_sizes[fused]
+                start = sum(sizes[:shard])
+                self._param(target, name).data[start : start + sizes[shard]].copy_(tensor)
+                self.loaded.add(f"{target}#{shard}")
+                return
+        self._param(name, name).data.copy_(tensor)
+        self.loaded.add(name)
+
+    def _param(self, target: str, source: str) -> nn.Parameter:
+        if target not in self.params:
+            raise ValueError(f"checkpoint weight {source!r} has no place in this model")
+        return self.params[target]
+
+    def check_complete(self) -> None:
+        expected = set()
+        for name in self.params:
+            module = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else name
+            fused = module if module in self.shard_sizes else None
+            if fused is None:
+                expected.add(name)
+            else:
+                expected.update(f"{name}#{i}" for i in range(len(self.shard_sizes[fused])))
+        missing = sorted(expected - self.loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:5]}")

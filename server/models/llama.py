@@ -1,0 +1,136 @@
+"""The llama family (Llama, Mistral, Qwen2, Qwen3): fused QKV and gate/up projections, paged attention.
+
+Differences between the families are flags read off the config: Qwen2 biases its QKV projection,
+Qwen3 normalises queries and keys per head, Mistral's window comes through the KV cache spec.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+
+from tgserve.server.forward_context import paged_attention
+from tgserve.server.kv_cache import head_dim, num_kv_heads
+from tgserve.server.models.layers import FusedWeightLoader, RMSNorm, RotaryEmbedding
+
+
+def _family_flags(config: Any) -> dict[str, bool]:
+    model_type = config.model_type
+    attention_bias = bool(getattr(config, "attention_bias", False))
+    return {
+        "qkv_bias": True if model_type == "qwen2" else attention_bias,
+        "o_bias": False if model_type == "qwen2" else attention_bias,
+        "qk_norm": model_type == "qwen3",
+        "mlp_bias": bool(getattr(config, "mlp_bias", False)),
+    }
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, layer_idx: int) -> None:
+        super().__init__()
+        flags = _family_flags(config)
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, num_kv_heads(config)
+        self.head_dim = head_dim(config)
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=flags["qkv_bias"])
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=flags["o_bias"])
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if flags["qk_norm"] else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if flags["qk_norm"] else None
+        self.rotary = RotaryEmbedding(config, self.head_dim)
+        self.scale = self.head_dim**-0.5
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, H_kv, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = paged_attention(self.layer_idx, q, k, v, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        bias = _family_flags(config)["mlp_bias"]
+        self.intermediate = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=bias)
+        self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=bias)
+        self.act = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        for layer in self.layers:
+            hidden = layer(positions, hidden)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Flat-batch causal LM: all scheduled tokens of all requests in one [num_tokens] input."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor
+    ) -> torch.Tensor:
+        hidden = self.model(input_ids, positions)[logits_indices]
+        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return hidden @ weight.t()  # [len(logits_indices), vocab]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        attn = self.model.layers[0].self_attn
+        loader = FusedWeightLoader(
+            self,
+            stacked={
+                "q_proj": ("qkv_proj", 0),
+                "k_proj": ("qkv_proj", 1),
+                "v_proj": ("qkv_proj", 2),
+                "gate_proj": ("gate_up_proj", 0),
+                "up_proj": ("gate_up_proj", 1),
+            },
+            shard_sizes={
+                "qkv_proj": [attn.q_size, attn.kv_size, attn.kv_size],
+                "gate_up_proj": [self.config.intermediate_size] * 2,
+            },
+        )
+        tied = self.tie_word_embeddings
+        loader.load((n, t) for n, t in weights if not (tied and n == "lm_head.weight"))
+        loader.check_complete()

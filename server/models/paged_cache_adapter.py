@@ -1,0 +1,61 @@
+"""For HF models that bypass `AttentionInterface`: a `Cache` that stores into the paged KV pool.
+
+Such models call `past_key_values.update(key, value, layer_idx)` and attend over what it returns.
+The adapter writes the step's keys and values at their slots, then returns every scheduled
+sequence's whole context concatenated, and `packed_context_mask` lets each query see only its own
+sequence's earlier keys (and its window). It costs a gather per layer and a [T, sum(context)] mask,
+which is why models that use `AttentionInterface` do not go this way.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache
+
+from tgserve.server.attention.cpu import attention_mask, gather_context, write_kv
+from tgserve.server.forward_context import ForwardContext
+
+
+class PagedCacheAdapter(Cache):
+    def __init__(self, ctx: ForwardContext) -> None:
+        super().__init__(layers=[])
+        self.ctx = ctx
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):  # noqa: ANN001, ANN201
+        # key_states [1, H_kv, T, D] -> [T, H_kv, D]
+        kv_cache, meta = self.ctx.kv_caches[layer_idx], self.ctx.metadata
+        write_kv(key_states[0].transpose(0, 1), value_states[0].transpose(0, 1), kv_cache, meta.slot_mapping)
+        keys, values = [], []
+        for i, seq_len in enumerate(meta.seq_lens_cpu):
+            k, v = gather_context(kv_cache, meta.block_tables[i], seq_len)
+            keys.append(k)
+            values.append(v)
+        packed_k = torch.cat(keys).transpose(0, 1)[None].to(key_states.dtype)
+        packed_v = torch.cat(values).transpose(0, 1)[None].to(value_states.dtype)
+        return packed_k, packed_v
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions are always given explicitly
+
+    def get_mask_sizes(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+        raise RuntimeError("the paged cache adapter is used with an explicit 4D mask only")
+
+
+def packed_context_mask(ctx: ForwardContext, dtype: torch.dtype) -> torch.Tensor:
+    """[1, 1, num_tokens, sum(seq_lens)] additive mask: 0 where a query may attend, the dtype's min elsewhere.
+
+    Sliding windows are per layer but this mask is shared by all layers, so models on this path
+    must use full attention; the engine checks that when it loads one.
+    """
+    meta = ctx.metadata
+    device = meta.slot_mapping.device
+    total = sum(meta.seq_lens_cpu)
+    allowed = torch.zeros(meta.query_start_loc_cpu[-1], total, dtype=torch.bool, device=device)
+    column = 0
+    for i, seq_len in enumerate(meta.seq_lens_cpu):
+        begin, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
+        allowed[begin:end, column : column + seq_len] = attention_mask(end - begin, seq_len, None, device)
+        column += seq_len
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]

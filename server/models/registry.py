@@ -1,0 +1,64 @@
+"""Lazy registry from HF `architectures` names to implementations.
+
+Native implementations are imported only when a model needs them. Every other decoder-only
+architecture transformers knows runs through the transformers fallback.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# HF architecture name -> (module under tgserve.server.models, class name)
+NATIVE_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("llama", "LlamaForCausalLM"),
+    "GPTBigCodeForCausalLM": ("gpt_bigcode", "GPTBigCodeForCausalLM"),
+}
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's architecture is neither native nor a decoder-only transformers architecture."""
+
+
+def _transformers_causal_lm_names() -> dict[str, str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return dict(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def architecture_name(config: Any) -> str:
+    """The HF architecture of a config; GGUF configs carry only `model_type`, mapped here."""
+    architectures = getattr(config, "architectures", None)
+    if architectures:
+        return architectures[0]
+    name = _transformers_causal_lm_names().get(getattr(config, "model_type", ""))
+    if name is None:
+        raise UnsupportedModelError(
+            f"model type {getattr(config, 'model_type', None)!r} names no causal-LM architecture known to transformers"
+        )
+    return name
+
+
+def native_model_class(architecture: str) -> type | None:
+    """The native implementation of `architecture`, imported on first use; None if there is none."""
+    entry = NATIVE_MODELS.get(architecture)
+    if entry is None:
+        return None
+    module = importlib.import_module(f"tgserve.server.models.{entry[0]}")
+    return getattr(module, entry[1])
+
+
+def check_supported(architecture: str, trust_remote_code: bool) -> None:
+    """Raise UnsupportedModelError unless the architecture can be served natively or by the fallback."""
+    if architecture in NATIVE_MODELS or trust_remote_code:
+        return
+    if architecture in set(_transformers_causal_lm_names().values()):
+        return
+    raise UnsupportedModelError(
+        f"architecture {architecture!r} is not supported: tgserve serves {sorted(NATIVE_MODELS)} natively "
+        "and any decoder-only architecture of the installed transformers through its fallback "
+        "(or one with remote code, with --trust-remote-code)"
+    )

@@ -1,0 +1,163 @@
+"""The model runner: turns a SchedulerOutput into flat tensors, runs the model, samples.
+
+It keeps its own copy of each scheduled request's tokens and blocks (new requests arrive in full,
+running ones as diffs) and appends the tokens it samples, as the scheduler does on its side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from tgserve.server.attention.backend import AttentionBackend
+from tgserve.server.attention.metadata import AttentionMetadata
+from tgserve.server.core.scheduler_output import SchedulerOutput
+from tgserve.server.forward_context import ForwardContext, forward_context
+from tgserve.server.kv_cache import KVCacheSpec
+from tgserve.server.outputs import TokenLogprob
+from tgserve.server.sampler import Sampler, SamplingRow
+from tgserve.server.sampling_params import SamplingParams
+
+
+@dataclass
+class RunnerRequestState:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    params: SamplingParams
+
+
+@dataclass
+class RunnerOutput:
+    """Sampled tokens of the requests that reached the end of their tokens this step."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    logits_indices: torch.Tensor
+    metadata: AttentionMetadata
+    sampled_request_ids: list[str]
+
+
+class ModelRunner:
+    """Owns the model, the per-layer KV caches and the sampler for one device."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        kv_caches: list[torch.Tensor],
+        specs: list[KVCacheSpec],
+        backend: AttentionBackend,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.specs = specs
+        self.backend = backend
+        self.block_size = block_size
+        self.device = device
+        self.sampler = Sampler()
+        self.requests: dict[str, RunnerRequestState] = {}
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        self._update_states(scheduler_output)
+        if scheduler_output.is_empty:
+            return RunnerOutput()
+        inputs = self._prepare_inputs(scheduler_output)
+        context = ForwardContext(self.backend, inputs.metadata, self.kv_caches, self.specs)
+        with forward_context(context):
+            logits = self.model(inputs.input_ids, inputs.positions, inputs.logits_indices)
+        return self._sample(logits, inputs.sampled_request_ids, scheduler_output)
+
+    def _update_states(self, out: SchedulerOutput) -> None:
+        for request_id in out.finished_request_ids | out.preempted_request_ids:
+            self.requests.pop(request_id, None)
+        for new in out.scheduled_new_requests:
+            self.requests[new.request_id] = RunnerRequestState(
+                list(new.token_ids),
+                new.num_prompt_tokens,
+                list(new.block_ids),
+                new.num_computed_tokens,
+                new.sampling_params,
+            )
+        for cached in out.scheduled_cached_requests:
+            state = self.requests[cached.request_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def _scheduled_ids(self, out: SchedulerOutput) -> list[str]:
+        return [r.request_id for r in out.scheduled_new_requests] + [
+            r.request_id for r in out.scheduled_cached_requests
+        ]
+
+    def _prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start_loc, seq_lens, logits_indices, sampled = [0], [], [], []
+        block_rows = []
+        bs = self.block_size
+        for request_id in self._scheduled_ids(out):
+            state = self.requests[request_id]
+            start, count = state.num_computed_tokens, out.num_scheduled_tokens[request_id]
+            end = start + count
+            ids.extend(state.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(state.block_ids[p // bs] * bs + p % bs for p in range(start, end))
+            query_start_loc.append(query_start_loc[-1] + count)
+            seq_lens.append(end)
+            block_rows.append(state.block_ids)
+            if end == len(state.token_ids):
+                logits_indices.append(query_start_loc[-1] - 1)
+                sampled.append(request_id)
+        width = max(len(row) for row in block_rows)
+        tables = [row + [0] * (width - len(row)) for row in block_rows]
+        dev = self.device
+        metadata = AttentionMetadata(
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc_cpu=query_start_loc,
+            seq_lens_cpu=seq_lens,
+            block_size=bs,
+        )
+        return StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
+            metadata=metadata,
+            sampled_request_ids=sampled,
+        )
+
+    def _sample(self, logits: torch.Tensor, request_ids: list[str], out: SchedulerOutput) -> RunnerOutput:
+        for request_id in self._scheduled_ids(out):
+            self.requests[request_id].num_computed_tokens += out.num_scheduled_tokens[request_id]
+        if not request_ids:
+            return RunnerOutput()
+        rows = [self._sampling_row(self.requests[r]) for r in request_ids]
+        sampled = self.sampler(logits, rows)
+        token_ids = sampled.token_ids.tolist()
+        result = RunnerOutput()
+        for i, request_id in enumerate(request_ids):
+            self.requests[request_id].token_ids.append(token_ids[i])
+            result.sampled_token_ids[request_id] = token_ids[i]
+            if sampled.logprobs[i] is not None:
+                result.logprobs[request_id] = sampled.logprobs[i]
+        return result
+
+    @staticmethod
+    def _sampling_row(state: RunnerRequestState) -> SamplingRow:
+        prompt = state.token_ids[: state.num_prompt_tokens]
+        output = state.token_ids[state.num_prompt_tokens :]
+        return SamplingRow(state.params, prompt, output, len(output))
