@@ -70,8 +70,37 @@ def attend(
     return out.permute(2, 0, 1, 3).reshape(q_len, num_heads, dim).to(query.dtype)
 
 
+def decode_attention(
+    query: torch.Tensor,  # [B, num_heads, head_dim]: one query per sequence, at position seq_len - 1
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks]
+    seq_lens: torch.Tensor,  # [B]
+    layer: AttentionLayerParams,
+) -> torch.Tensor:  # [B, num_heads, head_dim]
+    """All decoding sequences at once: contexts gathered padded to the longest, padding masked out."""
+    batch, num_heads, dim = query.shape
+    block_size = kv_cache.shape[2]
+    max_len = int(seq_lens.max())
+    positions = torch.arange(max_len, device=query.device)
+    slots = block_tables[:, positions // block_size].long() * block_size + positions % block_size  # [B, L]
+    flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
+    keys, values = flat[0, slots].float(), flat[1, slots].float()  # [B, L, H_kv, D]
+    num_kv = keys.shape[2]
+    q = query.float().view(batch, num_kv, num_heads // num_kv, dim)
+    scores = torch.einsum("bkgd,blkd->bkgl", q, keys) * layer.scale
+    if layer.softcap is not None:
+        scores = torch.tanh(scores / layer.softcap) * layer.softcap
+    query_pos = (seq_lens.long() - 1)[:, None]
+    allowed = positions[None, :] <= query_pos
+    if layer.spec.sliding_window is not None:
+        allowed &= positions[None, :] > query_pos - layer.spec.sliding_window
+    scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
+    out = torch.einsum("bkgl,blkd->bkgd", torch.softmax(scores, dim=-1), values)
+    return out.reshape(batch, num_heads, dim).to(query.dtype)
+
+
 class CpuAttentionBackend(AttentionBackend):
-    """Paged attention in torch, one sequence at a time."""
+    """Paged attention in torch: decoding sequences batched together, prefill chunks one at a time."""
 
     name = "cpu"
 
@@ -79,7 +108,17 @@ class CpuAttentionBackend(AttentionBackend):
         write_kv(key, value, kv_cache, metadata.slot_mapping)
         out = torch.empty_like(query)
         starts = metadata.query_start_loc_cpu
+        decode_seqs = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] == 1]
+        if len(decode_seqs) > 1:
+            rows = torch.tensor([starts[i] for i in decode_seqs], device=query.device)
+            seqs = torch.tensor(decode_seqs, device=query.device)
+            out[rows] = decode_attention(
+                query[rows], kv_cache, metadata.block_tables[seqs], metadata.seq_lens[seqs], layer
+            )
+        batched = set(decode_seqs) if len(decode_seqs) > 1 else set()
         for i, seq_len in enumerate(metadata.seq_lens_cpu):
+            if i in batched:
+                continue
             begin, end = starts[i], starts[i + 1]
             k, v = gather_context(kv_cache, metadata.block_tables[i], seq_len)
             allowed = attention_mask(end - begin, seq_len, layer.spec.sliding_window, query.device)
