@@ -9,6 +9,7 @@ context, with a block-diagonal causal mask over the concatenated contexts.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -68,6 +69,9 @@ class TransformersFallbackModel(nn.Module):
         self.hf_model = hf_model
         self.config = hf_model.config
         self.uses_attention_interface = supports_attention_interface(type(hf_model))
+        # transformers is renaming `past_key_values` to `cache` model by model.
+        parameters = inspect.signature(hf_model.forward).parameters
+        self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor
@@ -77,7 +81,7 @@ class TransformersFallbackModel(nn.Module):
             ctx = get_forward_context()
             kwargs = {
                 "use_cache": True,
-                "past_key_values": PagedCacheAdapter(ctx),
+                self._cache_argument: PagedCacheAdapter(ctx),
                 "attention_mask": packed_context_mask(ctx, dtype=self._dtype()),
             }
         out = self.hf_model(

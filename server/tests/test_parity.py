@@ -1,0 +1,55 @@
+"""Token-exact greedy parity with transformers `generate`, in float32 on CPU.
+
+For every fixture architecture and for SmolLM2-135M-Instruct: one engine run with staggered
+arrivals and finishes, chunked prefill, at least one preemption and prefix-cache hits (parity.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tgserve.server.default_model import default_model_gguf
+from tgserve.server.engine import EngineArgs, LLMEngine
+from tgserve.server.testing.fixtures import FIXTURE_ARCHITECTURES, fixture_path
+
+from .parity import assert_scenario_parity, build_requests
+
+PROMPT_LENGTHS = [40, 12, 70, 25, 9, 50, 33, 30]
+# Small enough to force chunked prefill (70 > 32) and preemption (24 blocks of 8 tokens).
+TIGHT = dict(max_num_batched_tokens=32, block_size=8, num_blocks=24)
+
+
+def _run(model_path: str, hf_model: torch.nn.Module, **engine_args) -> LLMEngine:
+    engine = LLMEngine(EngineArgs(model=model_path, **TIGHT, **engine_args))
+    assert_scenario_parity(engine, hf_model, build_requests(engine.vocab_size, PROMPT_LENGTHS))
+    return engine
+
+
+@pytest.mark.parametrize("arch", FIXTURE_ARCHITECTURES)
+def test_greedy_parity_with_transformers(arch: str) -> None:
+    path = fixture_path(arch)
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    _run(str(path), hf_model)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_bigcode"])
+def test_native_architectures_also_run_through_the_fallback(arch: str) -> None:
+    path = fixture_path(arch)
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    engine = _run(str(path), hf_model, force_transformers_fallback=True)
+    assert type(engine.runner.model).__name__ == "TransformersFallbackModel"
+
+
+def test_native_implementations_are_used_for_their_families() -> None:
+    for arch, expected in [("llama", "LlamaForCausalLM"), ("qwen3", "LlamaForCausalLM"), ("gpt_bigcode", "GPTBigCodeForCausalLM")]:
+        engine = LLMEngine(EngineArgs(model=str(fixture_path(arch)), num_blocks=8))
+        assert type(engine.runner.model).__name__ == expected
+
+
+@pytest.mark.slow
+def test_greedy_parity_smollm2() -> None:
+    gguf = default_model_gguf()
+    hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    _run(str(gguf), hf_model)
