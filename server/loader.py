@@ -106,6 +106,18 @@ def safetensors_files(source: ModelSource, allow_pickle: bool = False) -> list[P
     raise ModelLoadError(f"{source.directory} holds no .safetensors weights")
 
 
+def verify_safetensors(files: list[Path]) -> None:
+    """Open every file's header (cheap) so that a corrupt one is reported by name before loading."""
+    from safetensors import SafetensorError, safe_open
+
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                handle.keys()
+        except (SafetensorError, OSError) as exc:
+            raise ModelLoadError(f"weights file {file} is corrupt or unreadable: {exc}") from exc
+
+
 def iter_safetensors(files: list[Path], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor of every file; a corrupt file raises naming it."""
     from safetensors import SafetensorError, safe_open

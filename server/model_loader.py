@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from tgserve.server.errors import ModelLoadError
-from tgserve.server.loader import ModelSource, iter_safetensors, safetensors_files
+from tgserve.server.loader import ModelSource, iter_safetensors, safetensors_files, verify_safetensors
 from tgserve.server.models.registry import architecture_name, check_supported, native_model_class
 
 
@@ -30,9 +30,8 @@ def load_model(
         from tgserve.server.models.hf_fallback import load_fallback_model
 
         if source.gguf_file is None:
-            safetensors_files(
-                source, allow_pickle
-            )  # refuse pickle-only checkpoints before transformers sees them
+            # Refuse pickle-only checkpoints and name corrupt files before transformers sees them.
+            verify_safetensors(safetensors_files(source, allow_pickle))
         try:
             return load_fallback_model(
                 str(source.directory), config, dtype, device, source.gguf_file, trust_remote_code

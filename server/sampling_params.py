@@ -49,7 +49,9 @@ class SamplingParams:
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
         _check(0.0 < self.typical_p <= 1.0, f"typical_p must be in (0, 1], got {self.typical_p}")
         _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
-        _check(self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        _check(
+            self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"
+        )
         _check(
             -2.0 <= self.frequency_penalty <= 2.0,
             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",

@@ -27,7 +27,9 @@ class ScenarioRequest:
     finish_step: int = -1
 
 
-def build_requests(vocab_size: int, lengths: list[int], seed: int = 0, shared_prefix: int = 24) -> list[ScenarioRequest]:
+def build_requests(
+    vocab_size: int, lengths: list[int], seed: int = 0, shared_prefix: int = 24
+) -> list[ScenarioRequest]:
     """len(lengths) requests; the last one repeats the first prompt's first `shared_prefix` tokens."""
     rng = random.Random(seed)
     low = min(10, vocab_size // 4)  # skip the special tokens at the start of the vocabulary
@@ -76,14 +78,18 @@ def reference_greedy(hf_model: torch.nn.Module, prompt: list[int], max_new_token
     return out[0, len(prompt) :].tolist()
 
 
-def assert_scenario_parity(engine: LLMEngine, hf_model: torch.nn.Module, requests: list[ScenarioRequest]) -> None:
+def assert_scenario_parity(
+    engine: LLMEngine, hf_model: torch.nn.Module, requests: list[ScenarioRequest]
+) -> None:
     run_engine(engine, requests)
     stats = engine.stats()
     mismatches = []
     for r in requests:
         expected = reference_greedy(hf_model, r.prompt, r.max_new_tokens)
         if r.output != expected:
-            mismatches.append(f"{r.request_id} (prompt {len(r.prompt)}): engine {r.output} != transformers {expected}")
+            mismatches.append(
+                f"{r.request_id} (prompt {len(r.prompt)}): engine {r.output} != transformers {expected}"
+            )
     assert not mismatches, "\n".join(mismatches)
     assert len({r.arrival_step for r in requests}) > 3, "requests must arrive at different steps"
     assert len({r.finish_step for r in requests}) > 3, "requests must finish at different steps"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from tgserve.server.core.block_manager import BlockManager, hash_block
 from tgserve.server.core.request import Request
 from tgserve.server.sampling_params import SamplingParams

@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tgserve.server.default_model import default_model_gguf
 from tgserve.server.engine import EngineArgs, LLMEngine
 from tgserve.server.testing.fixtures import FIXTURE_ARCHITECTURES, fixture_path
+from tgserve.server.testing.smollm2 import smollm2_checkpoint
 
 from .parity import assert_scenario_parity, build_requests
 
@@ -43,13 +43,18 @@ def test_native_architectures_also_run_through_the_fallback(arch: str) -> None:
 
 
 def test_native_implementations_are_used_for_their_families() -> None:
-    for arch, expected in [("llama", "LlamaForCausalLM"), ("qwen3", "LlamaForCausalLM"), ("gpt_bigcode", "GPTBigCodeForCausalLM")]:
+    for arch, expected in [
+        ("llama", "LlamaForCausalLM"),
+        ("qwen3", "LlamaForCausalLM"),
+        ("gpt_bigcode", "GPTBigCodeForCausalLM"),
+    ]:
         engine = LLMEngine(EngineArgs(model=str(fixture_path(arch)), num_blocks=8))
         assert type(engine.runner.model).__name__ == expected
 
 
 @pytest.mark.slow
 def test_greedy_parity_smollm2() -> None:
-    gguf = default_model_gguf()
-    hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    _run(str(gguf), hf_model)
+    # The GGUF converted once to safetensors; test_llm_api.py covers loading the GGUF itself.
+    path = smollm2_checkpoint()
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    _run(str(path), hf_model)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
+
 from tgserve.server.config import SchedulerConfig
 from tgserve.server.core.request import FinishReason, Request, RequestStatus
 from tgserve.server.core.scheduler import Scheduler

@@ -1,0 +1,40 @@
+"""SmolLM2-135M-Instruct as a float32 safetensors checkpoint, converted once from the shipped GGUF.
+
+Reading the GGUF dequantises every tensor in Python (tens of seconds); tests that need the real
+model many times load this converted copy instead. Tests of the GGUF path itself use the GGUF.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tgserve.server.default_model import default_model_gguf
+from tgserve.server.testing.fixtures import _publish_atomically, default_cache_dir
+
+
+def smollm2_checkpoint(cache_dir: Path | None = None) -> Path:
+    """A directory with config, tokenizer and model.safetensors, built on first use and cached."""
+    import transformers
+
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = root / f"smollm2-135m-instruct-tf{transformers.__version__}"
+    if target.is_dir():
+        return target
+    return _publish_atomically(target, _convert)
+
+
+def _convert(out: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = default_model_gguf()
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The weights are already dequantised; drop the GGUF marker so transformers saves them as they are.
+    config = model.config
+    del config.quantization_config
+    config.architectures = ["LlamaForCausalLM"]
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fresh.load_state_dict(model.state_dict())
+    fresh.save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
