@@ -8,6 +8,7 @@ reshaping the queries (KV heads are never repeated).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from tgserve.server.attention.backend import AttentionBackend, AttentionLayerParams
 from tgserve.server.attention.metadata import AttentionMetadata
@@ -54,6 +55,21 @@ def attend(
     allowed: torch.Tensor,  # [q_len, seq_len]
     layer: AttentionLayerParams,
 ) -> torch.Tensor:  # [q_len, num_heads, head_dim]
+    """One sequence's queries against its context; SDPA unless scores need softcapping."""
+    if layer.softcap is None:
+        out = F.scaled_dot_product_attention(
+            query.transpose(0, 1),
+            key.transpose(0, 1).to(query.dtype),
+            value.transpose(0, 1).to(query.dtype),
+            attn_mask=allowed,
+            scale=layer.scale,
+            enable_gqa=True,
+        )
+        return out.transpose(0, 1)
+    return _attend_softcapped(query, key, value, allowed, layer)
+
+
+def _attend_softcapped(query, key, value, allowed, layer: AttentionLayerParams) -> torch.Tensor:
     q_len, num_heads, dim = query.shape
     num_kv = key.shape[1]
     group = num_heads // num_kv
@@ -62,8 +78,7 @@ def attend(
     k = key.float().permute(1, 0, 2)
     v = value.float().permute(1, 0, 2)
     scores = torch.bmm(q, k.transpose(1, 2)) * layer.scale
-    if layer.softcap is not None:
-        scores = torch.tanh(scores / layer.softcap) * layer.softcap
+    scores = torch.tanh(scores / layer.softcap) * layer.softcap
     scores = scores.view(num_kv, group, q_len, -1).masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(num_kv, group * q_len, -1)
     out = torch.bmm(probs, v).view(num_kv, group, q_len, dim)
@@ -120,7 +135,10 @@ class CpuAttentionBackend(AttentionBackend):
             if i in batched:
                 continue
             begin, end = starts[i], starts[i + 1]
-            k, v = gather_context(kv_cache, metadata.block_tables[i], seq_len)
+            if end - begin == seq_len:  # a fresh prompt: its context is exactly this step's keys
+                k, v = key[begin:end], value[begin:end]
+            else:
+                k, v = gather_context(kv_cache, metadata.block_tables[i], seq_len)
             allowed = attention_mask(end - begin, seq_len, layer.spec.sliding_window, query.device)
             out[begin:end] = attend(query[begin:end], k, v, allowed, layer)
         return out
