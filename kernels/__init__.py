@@ -1,1 +1,14 @@
-"""tgserve.kernels: Triton attention kernels, each with a torch reference twin."""
+"""tgserve.kernels: Triton attention kernels, each with a torch reference twin.
+
+dispatch        the public entry points (Triton on CUDA, the torch twins elsewhere); imports
+                no Triton until a CUDA call
+reference       torch twins: KV writes, paged/varlen attention, masked attention, pattern masks
+kv_write        Triton: keys/values into the paged cache by slot mapping
+paged_decode    Triton: one query per sequence over its paged KV, split-context (flash-decoding)
+paged_prefill   Triton: varlen queries over the paged cache (chunked prefill, prefix hits) or
+                over a fresh packed prompt
+triton_common   shared Triton pieces (online-softmax tile step, softcap)
+sparse/         MInference-style sparse prefill: pattern configs, estimation, index, kernel
+testing         paged test batches and error metrics (tests and benchmarks)
+bench/          GPU benchmark and sparse-accuracy scripts (not part of the package)
+"""

@@ -1,0 +1,158 @@
+"""Public attention entry points: Triton (or the fastest library kernel) on CUDA, torch elsewhere.
+
+The backends call only these. Triton modules are imported lazily, on the CUDA path only, so that
+importing this module never imports Triton (a CPU process, or a test run that must set
+TRITON_INTERPRET before the first @triton.jit, stays unaffected).
+
+    write_kv          this step's keys/values into the paged cache (slot -1 skipped)
+    paged_attention   varlen queries over the paged cache: decode, chunked prefill, prefix hits
+    fresh_prefill     prompts with no cached prefix: dense (library kernel) or sparse when long
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tgserve.kernels import reference
+from tgserve.kernels.sparse.config import SparseConfig
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Triton kernels run on CUDA tensors; everything else takes the torch reference."""
+    return t.is_cuda
+
+
+def write_kv(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store key/value [num_tokens, num_kv_heads, head_dim] at their slots of kv_cache."""
+    if use_triton(key):
+        from tgserve.kernels.kv_write import write_kv as triton_write_kv
+
+        triton_write_kv(key, value, kv_cache, slot_mapping)
+    else:
+        reference.write_kv(key, value, kv_cache, slot_mapping)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # int32 [num_seqs, max_blocks_per_seq]
+    query_start_loc: torch.Tensor,  # int32 [num_seqs + 1]
+    seq_lens: torch.Tensor,  # int32 [num_seqs]
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of each sequence's queries (its last positions) over its paged context.
+
+    max_query_len / max_seq_len are optional host-side hints: a pure decode batch
+    (max_query_len == 1) takes the split-context decode kernel; max_seq_len sizes its splits.
+    """
+    if not use_triton(query):
+        result = reference.paged_attention(query, kv_cache, block_tables, query_start_loc, seq_lens, scale,
+                                           sliding_window, softcap)  # fmt: skip
+        return result if out is None else out.copy_(result)
+    if max_query_len == 1 and query.shape[0] == seq_lens.shape[0]:
+        from tgserve.kernels.paged_decode import paged_decode
+
+        return paged_decode(query, kv_cache, block_tables, seq_lens, scale, sliding_window, softcap, out,
+                            max_seq_len=max_seq_len)  # fmt: skip
+    from tgserve.kernels.paged_prefill import paged_prefill
+
+    return paged_prefill(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window,
+                         softcap, out)  # fmt: skip
+
+
+def _flash_attn_varlen():
+    """flash-attn's varlen kernel if the package is installed (the fastest dense prefill)."""
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return flash_attn_varlen_func
+
+
+def dense_prefill(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,  # int32 [num_seqs + 1]
+    max_seqlen: int,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Causal attention of fresh prompts packed back to back, with the fastest kernel at hand.
+
+    CUDA order: flash-attn varlen (GQA, window, softcap) if installed; PyTorch SDPA (cuDNN or
+    flash backend, GQA without repeat) for one sequence without window/softcap; else Triton.
+    """
+    if not use_triton(query):
+        return reference.varlen_attention(query, key, value, cu_seqlens, scale, sliding_window, softcap)
+    flash = _flash_attn_varlen()
+    if flash is not None and query.dtype in (torch.float16, torch.bfloat16):
+        window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
+        return flash(query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scale,
+                     causal=True, window_size=window, softcap=softcap or 0.0)  # fmt: skip
+    if cu_seqlens.numel() == 2 and sliding_window is None and softcap is None:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query.transpose(0, 1)[None], key.transpose(0, 1)[None], value.transpose(0, 1)[None],
+            is_causal=True, scale=scale, enable_gqa=True,
+        )  # fmt: skip
+        return out[0].transpose(0, 1).contiguous()
+    from tgserve.kernels.paged_prefill import varlen_prefill
+
+    return varlen_prefill(query, key, value, cu_seqlens, scale, sliding_window, softcap)
+
+
+def _sparse_one(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    config: SparseConfig,
+    layer: int,
+) -> torch.Tensor:
+    from tgserve.kernels.sparse.attention import sparse_prefill
+
+    patterns = config.head_patterns(layer, query.shape[1])
+    return sparse_prefill(query, key, value, scale, patterns, config.block, config.last_q,
+                          use_triton=use_triton(query))  # fmt: skip
+
+
+def fresh_prefill(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_cpu: list[int],
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sparse: SparseConfig | None = None,
+    layer: int = 0,
+) -> torch.Tensor:
+    """Prompts with no cached prefix; those of at least sparse.min_seq_len tokens go sparse.
+
+    Sparse prefill needs the whole prompt in one step (a chunk has no future to estimate from)
+    and supports neither sliding windows nor softcapping: such layers stay dense.
+    """
+    lens = [b - a for a, b in zip(cu_seqlens_cpu, cu_seqlens_cpu[1:])]
+    max_len = max(lens, default=0)
+    go_sparse = sparse is not None and sliding_window is None and softcap is None
+    if not go_sparse or max_len < sparse.min_seq_len:
+        return dense_prefill(query, key, value, cu_seqlens, max_len, scale, sliding_window, softcap)
+    out = torch.empty_like(query)
+    for start, end in zip(cu_seqlens_cpu, cu_seqlens_cpu[1:]):
+        q, k, v = query[start:end], key[start:end], value[start:end]
+        if end - start >= sparse.min_seq_len:
+            out[start:end] = _sparse_one(q, k, v, scale, sparse, layer)
+        elif end > start:
+            cu = torch.zeros(2, dtype=torch.int32, device=query.device)
+            cu[1] = end - start  # a scalar fill: no blocking host-to-device copy
+            out[start:end] = dense_prefill(q, k, v, cu, end - start, scale)
+    return out

@@ -1,0 +1,78 @@
+"""Triton kernel: write a step's keys and values into the paged KV cache by slot mapping.
+
+Twin: `reference.write_kv`. One program per token copies all of its KV heads; slot -1 (padding,
+or a prefix-cache hit whose KV is already stored) is skipped without touching memory.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr,
+    value_ptr,
+    cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_c_kv,
+    stride_c_block,
+    stride_c_off,
+    stride_c_head,
+    num_kv_heads,
+    head_dim,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0)
+    # int64: slot * strides overflows int32 for caches of more than 2^31 elements.
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot >= 0:
+        heads = tl.arange(0, BLOCK_H)
+        dims = tl.arange(0, BLOCK_D)
+        mask = (heads[:, None] < num_kv_heads) & (dims[None, :] < head_dim)
+        block = slot // BLOCK_SIZE
+        offset = slot % BLOCK_SIZE
+        dst = cache_ptr + block * stride_c_block + offset * stride_c_off
+        dst = dst + heads[:, None] * stride_c_head + dims[None, :]
+        k = tl.load(key_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
+        v = tl.load(value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+        tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + stride_c_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store key/value [num_tokens, num_kv_heads, head_dim] at their slots of kv_cache (in place)."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    # The last dimension must be unit-stride for the vectorised row copies.
+    assert key.stride(2) == 1 and value.stride(2) == 1 and kv_cache.stride(4) == 1
+    _write_kv_kernel[(num_tokens,)](
+        key,
+        value,
+        kv_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        num_kv_heads,
+        head_dim,
+        BLOCK_SIZE=kv_cache.shape[2],
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )

@@ -1,0 +1,157 @@
+"""Torch reference twins of the Triton kernels.
+
+Every Triton kernel in this package is tested against a function here. They favour clarity over
+speed: one sequence at a time, scores in float32 unless asked otherwise, grouped-query attention by
+reshaping the queries against their KV head (KV heads are never repeated).
+
+Layouts (agreed with the engine):
+    kv_cache      [2, num_blocks, block_size, num_kv_heads, head_dim]   (0 = keys, 1 = values)
+    slot_mapping  [num_tokens]   slot = block_id * block_size + offset, -1 = do not write
+    block_tables  int32 [num_seqs, max_blocks_per_seq]
+    query         [num_tokens, num_heads, head_dim], sequence i owns rows
+                  query_start_loc[i]:query_start_loc[i+1] and they are the LAST q_len positions of
+                  a context of seq_lens[i] tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_kv(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store each token's key and value at its slot of the paged cache; slot -1 is skipped."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
+    flat[0].index_copy_(0, slots, key[keep].to(kv_cache.dtype))
+    flat[1].index_copy_(0, slots, value[keep].to(kv_cache.dtype))
+
+
+def gather_kv(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `length` keys and values of one sequence, each [length, num_kv_heads, head_dim]."""
+    block_size = kv_cache.shape[2]
+    pos = torch.arange(length, device=kv_cache.device)
+    slots = block_table[pos // block_size].long() * block_size + pos % block_size
+    flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
+    return flat[0, slots], flat[1, slots]
+
+
+def causal_mask(
+    q_len: int, k_len: int, sliding_window: int | None = None, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """[q_len, k_len] bool: queries are the last q_len of k_len positions; window w keeps (p-w, p]."""
+    q_pos = torch.arange(k_len - q_len, k_len, device=device)[:, None]
+    k_pos = torch.arange(k_len, device=device)[None, :]
+    allowed = k_pos <= q_pos
+    if sliding_window is not None:
+        allowed &= k_pos > q_pos - sliding_window
+    return allowed
+
+
+def masked_attention(
+    query: torch.Tensor,  # [q_len, num_heads, head_dim]
+    key: torch.Tensor,  # [k_len, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [k_len, num_kv_heads, head_dim]
+    mask: torch.Tensor,  # bool [q_len, k_len] or per head [num_heads, q_len, k_len]
+    scale: float,
+    softcap: float | None = None,
+    upcast: bool = True,
+) -> torch.Tensor:  # [q_len, num_heads, head_dim], query's dtype
+    """Softmax attention under an explicit mask, grouped-query by reshaping the queries.
+
+    upcast=False computes in the input dtype: the "low-precision torch" error that the
+    flash-attention test rule compares a kernel's error against. Fully masked rows give zeros.
+    """
+    q_len, num_heads, dim = query.shape
+    num_kv, dim_v = key.shape[1], value.shape[2]
+    group = num_heads // num_kv
+    dt = torch.float32 if upcast else query.dtype
+    q = query.to(dt).view(q_len, num_kv, group, dim).permute(1, 2, 0, 3)  # [kv, g, q, d]
+    k = key.to(dt).permute(1, 0, 2)[:, None]  # [kv, 1, k, d]
+    v = value.to(dt).permute(1, 0, 2)[:, None]
+    scores = (q @ k.transpose(-1, -2)) * scale  # [kv, g, q, k]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask.dim() == 3:
+        mask = mask.view(num_kv, group, q_len, -1)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with no allowed key -> zeros
+    out = probs @ v  # [kv, g, q, dv]
+    return out.permute(2, 0, 1, 3).reshape(q_len, num_heads, dim_v).to(query.dtype)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    upcast: bool = True,
+) -> torch.Tensor:
+    """Variable-length attention over the paged cache: prefill chunks, prefix hits and decode alike."""
+    out = torch.zeros_like(query)
+    starts = query_start_loc.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        lo, hi = starts[i], starts[i + 1]
+        if hi == lo:
+            continue
+        k, v = gather_kv(kv_cache, block_tables[i], seq_len)
+        mask = causal_mask(hi - lo, seq_len, sliding_window, query.device)
+        out[lo:hi] = masked_attention(query[lo:hi], k, v, mask, scale, softcap, upcast)
+    return out
+
+
+def varlen_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,  # int32 [num_seqs + 1]
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    upcast: bool = True,
+) -> torch.Tensor:
+    """Dense causal attention of fresh prompts packed back to back (keys = the prompt itself)."""
+    out = torch.zeros_like(query)
+    starts = cu_seqlens.tolist()
+    for lo, hi in zip(starts, starts[1:]):
+        if hi == lo:
+            continue
+        mask = causal_mask(hi - lo, hi - lo, sliding_window, query.device)
+        out[lo:hi] = masked_attention(query[lo:hi], key[lo:hi], value[lo:hi], mask, scale, softcap, upcast)
+    return out
+
+
+# ---- sparse patterns as element-level masks (what MInference's patterns mean, before blocking) ----
+
+
+def a_shape_mask(n: int, sink: int, local: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[n, n] causal mask keeping the first `sink` keys and the last `local` keys of each query."""
+    q = torch.arange(n, device=device)[:, None]
+    k = torch.arange(n, device=device)[None, :]
+    return (k <= q) & ((k < sink) | (q - k < local))
+
+
+def vertical_slash_mask(n: int, columns: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """[n, n] causal mask keeping whole key columns and whole diagonals (offset = query - key)."""
+    q = torch.arange(n, device=columns.device)[:, None]
+    k = torch.arange(n, device=columns.device)[None, :]
+    keep_col = torch.zeros(n, dtype=torch.bool, device=columns.device)
+    keep_col[columns.long()] = True
+    keep_diag = torch.zeros(n, dtype=torch.bool, device=columns.device)
+    keep_diag[offsets.long()] = True
+    causal = k <= q
+    return causal & (keep_col[None, :] | keep_diag[(q - k).clamp(min=0)])
+
+
+def block_mask_to_dense(block_mask: torch.Tensor, block: int, n: int) -> torch.Tensor:
+    """Expand a [nq_blocks, nk_blocks] bool block mask to an [n, n] causal element mask."""
+    dense = block_mask.repeat_interleave(block, 0).repeat_interleave(block, 1)[:n, :n]
+    return dense & causal_mask(n, n, device=block_mask.device)

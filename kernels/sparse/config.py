@@ -1,0 +1,121 @@
+"""Per-layer, per-head sparse attention patterns, loaded from JSON with a sensible default.
+
+Two JSON shapes are accepted:
+
+* tgserve's own::
+
+    {"block": 64, "last_q": 64, "min_seq_len": 32768,
+     "default": {"kind": "vertical_slash", "vertical": 1000, "slash": 6096},
+     "layers": {"0": {"3": {"kind": "a_shape", "sink": 128, "local": 2048}}}}
+
+  Heads (query heads) not listed use the layer's "default" entry if any, else the global default.
+
+* MInference's offline search output (`*_best_pattern.json`): a list with one object per layer,
+  mapping a head index to [pattern, vertical_size, slash_size, score], pattern being
+  "vertical_and_slash", "stream_llm" (A-shape: sizes are sink, local) or "block_sparse".
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+KINDS = ("dense", "a_shape", "vertical_slash", "block_sparse")
+
+
+@dataclass(frozen=True)
+class HeadPattern:
+    """What one query head keeps of the causal attention matrix.
+
+    dense           everything.
+    a_shape         the first `sink` keys and a local window of `local` keys (block granular).
+    vertical_slash  `vertical` key columns and `slash` diagonals, the top ones by the attention of
+                    the last queries; the first `sink` columns and the `local` nearest diagonals
+                    are always kept (they are never worth risking).
+    block_sparse    `blocks` key blocks per query block, top ones by pooled (block-mean) scores.
+    rescue          (estimated kinds) extra key blocks per query block, chosen by the block-mean
+                    query against every key, for keys salient only to queries far from the end
+                    of the prompt, which last-query estimation cannot see.
+    """
+
+    kind: str = "vertical_slash"
+    vertical: int = 1000
+    slash: int = 6096
+    sink: int = 64
+    local: int = 128
+    blocks: int = 100
+    rescue: int = 2
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown sparse pattern {self.kind!r}; expected one of {KINDS}")
+        if min(self.vertical, self.slash, self.sink, self.local, self.blocks, self.rescue) < 0:
+            raise ValueError(f"negative budget in {self}")
+
+
+DEFAULT_PATTERN = HeadPattern()
+
+
+@dataclass(frozen=True)
+class SparseConfig:
+    """Sparse prefill settings of a model: per-layer head patterns and shared parameters."""
+
+    default: HeadPattern = DEFAULT_PATTERN
+    layers: dict[int, dict[int, HeadPattern]] = field(default_factory=dict)
+    min_seq_len: int = 32768  # prompts shorter than this use dense attention
+    block: int = 64  # query/key block of the sparse kernel and of pooled estimation
+    last_q: int = 64  # queries used to estimate vertical-slash indices
+
+    def head_patterns(self, layer: int, num_heads: int) -> list[HeadPattern]:
+        """The pattern of every query head of one layer."""
+        per_head = self.layers.get(layer, {})
+        return [per_head.get(h, per_head.get(-1, self.default)) for h in range(num_heads)]
+
+
+def _pattern(entry: dict[str, Any], base: HeadPattern) -> HeadPattern:
+    unknown = set(entry) - set(HeadPattern.__dataclass_fields__)
+    if unknown:
+        raise ValueError(f"unknown sparse pattern fields {sorted(unknown)}")
+    return replace(base, **entry)
+
+
+def _from_minference(layers: list[dict[str, list[Any]]]) -> SparseConfig:
+    """MInference's [pattern, vertical_size, slash_size, score] per head."""
+    parsed: dict[int, dict[int, HeadPattern]] = {}
+    for layer, heads in enumerate(layers):
+        parsed[layer] = {}
+        for head, (name, first, second, *_score) in heads.items():
+            if name == "vertical_and_slash":
+                pattern = HeadPattern("vertical_slash", vertical=int(first), slash=int(second))
+            elif name == "stream_llm":
+                pattern = HeadPattern("a_shape", sink=int(first), local=int(second))
+            elif name == "block_sparse":
+                pattern = HeadPattern("block_sparse", blocks=int(first) or DEFAULT_PATTERN.blocks)
+            else:
+                raise ValueError(f"unknown MInference pattern {name!r}")
+            parsed[layer][int(head)] = pattern
+    return SparseConfig(layers=parsed)
+
+
+def parse_sparse_config(data: dict[str, Any] | list[Any]) -> SparseConfig:
+    """Build a SparseConfig from decoded JSON (either accepted shape)."""
+    if isinstance(data, list):
+        return _from_minference(data)
+    default = _pattern(data.get("default", {}), DEFAULT_PATTERN)
+    layers: dict[int, dict[int, HeadPattern]] = {}
+    for layer, heads in data.get("layers", {}).items():
+        layer_default = _pattern(heads.get("default", {}), default)
+        layers[int(layer)] = {-1: layer_default} | {
+            int(h): _pattern(entry, layer_default) for h, entry in heads.items() if h != "default"
+        }
+    shared = {k: int(data[k]) for k in ("min_seq_len", "block", "last_q") if k in data}
+    return SparseConfig(default=default, layers=layers, **shared)
+
+
+def load_sparse_config(path: str | Path | None) -> SparseConfig:
+    """Read a pattern file; None gives the default (vertical-slash 1000/6096 on every head)."""
+    if path is None:
+        return SparseConfig()
+    return parse_sparse_config(json.loads(Path(path).read_text()))

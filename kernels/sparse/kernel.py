@@ -1,0 +1,128 @@
+"""Triton sparse causal prefill attention over a SparseIndex (MInference-style patterns).
+
+Twin: `reference.masked_attention` under `index.index_to_mask(index)`.
+
+One program per (query block, query head). It walks the three disjoint sources of the index:
+selected block diagonals, listed key blocks, then gathered key columns (skipping columns that a
+walked block already holds). Heads of one layer may mix patterns (A-shape, vertical-slash,
+block-sparse, dense) in a single launch. Grouped-query natively: a query head reads the keys of
+head // group in place; KV is never repeated.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tgserve.kernels.sparse.index import SparseIndex
+from tgserve.kernels.triton_common import attend_tile, dot_precision, pow2
+
+
+@triton.jit
+def _key_block(acc, m_i, l_i, q, rows, j, k_ptrs, v_ptrs, stride_kt, stride_vt, dim_ok, n, sm_scale,
+               BLOCK: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """Fold the contiguous key block j into the running softmax, causally.
+
+    k_ptrs / v_ptrs are the row-0 pointers of every head dimension ([1, BLOCK_D]).
+    """
+    pos = j * BLOCK + tl.arange(0, BLOCK)
+    in_seq = pos < n
+    kv_mask = in_seq[:, None] & dim_ok[None, :]
+    pos64 = pos.to(tl.int64)[:, None]
+    k = tl.load(k_ptrs + pos64 * stride_kt, mask=kv_mask, other=0.0)
+    v = tl.load(v_ptrs + pos64 * stride_vt, mask=kv_mask, other=0.0)
+    mask = (pos[None, :] <= rows[:, None]) & in_seq[None, :]
+    return attend_tile(acc, m_i, l_i, q, k, v, mask, sm_scale, 0.0, False, PRECISION)
+
+
+@triton.jit
+def _sparse_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr,
+    diag_off_ptr, diag_cnt_ptr, cover_ptr, blocks_ptr, block_cnt_ptr, cols_ptr, col_cnt_ptr,
+    sm_scale, n, num_qb, max_d, max_b, max_c,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    group, head_dim,
+    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    qb = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // group
+    hq = head * num_qb + qb
+
+    rows = qb * BLOCK + tl.arange(0, BLOCK)
+    dims = tl.arange(0, BLOCK_D)
+    row_ok = rows < n
+    dim_ok = dims < head_dim
+    rows64 = rows.to(tl.int64)
+    q_ptrs = q_ptr + rows64[:, None] * stride_qt + head * stride_qh + dims[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    k_ptrs = k_ptr + kv_head * stride_kh + dims[None, :]  # key row 0 of this KV head
+    v_ptrs = v_ptr + kv_head * stride_vh + dims[None, :]
+    acc = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK], dtype=tl.float32)
+
+    # 1. Selected block diagonals; the offsets are ascending, so the first diag_cnt are <= qb.
+    for t in range(0, tl.load(diag_cnt_ptr + hq)):
+        j = qb - tl.load(diag_off_ptr + head * max_d + t)
+        acc, m_i, l_i = _key_block(acc, m_i, l_i, q, rows, j, k_ptrs, v_ptrs, stride_kt, stride_vt,
+                                   dim_ok, n, sm_scale, BLOCK, PRECISION)  # fmt: skip
+
+    # 2. Listed key blocks of this query block (already disjoint from the diagonals).
+    n_listed = tl.load(block_cnt_ptr + hq)
+    for t in range(0, n_listed):
+        j = tl.load(blocks_ptr + hq * max_b + t)
+        acc, m_i, l_i = _key_block(acc, m_i, l_i, q, rows, j, k_ptrs, v_ptrs, stride_kt, stride_vt,
+                                   dim_ok, n, sm_scale, BLOCK, PRECISION)  # fmt: skip
+
+    # 3. Key columns, gathered BLOCK at a time, minus those inside a block walked above.
+    n_cols = tl.load(col_cnt_ptr + hq)
+    slots = tl.arange(0, BLOCK_B)
+    listed = tl.load(blocks_ptr + hq * max_b + slots, mask=slots < n_listed, other=-1)
+    for c0 in range(0, n_cols, BLOCK):
+        idx = c0 + tl.arange(0, BLOCK)
+        ok = idx < n_cols
+        col = tl.load(cols_ptr + head * max_c + idx, mask=ok, other=0)
+        col_block = col // BLOCK
+        on_diag = tl.load(cover_ptr + head * num_qb + qb - col_block, mask=ok, other=1)
+        in_list = tl.sum((col_block[:, None] == listed[None, :]).to(tl.int32), 1)
+        ok = ok & (on_diag == 0) & (in_list == 0)
+        col64 = col.to(tl.int64)
+        kv_mask = ok[:, None] & dim_ok[None, :]
+        k = tl.load(k_ptrs + col64[:, None] * stride_kt, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs + col64[:, None] * stride_vt, mask=kv_mask, other=0.0)
+        mask = ok[None, :] & (col[None, :] <= rows[:, None])
+        acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k, v, mask, sm_scale, 0.0, False, PRECISION)
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out_ptrs = out_ptr + rows64[:, None] * stride_ot + head * stride_oh + dims[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+def sparse_attention_kernel(
+    query: torch.Tensor,  # [n, num_heads, head_dim]
+    key: torch.Tensor,  # [n, num_kv_heads, head_dim]
+    value: torch.Tensor,
+    index: SparseIndex,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of one fresh prompt restricted to the index's blocks and columns."""
+    n, num_heads, head_dim = query.shape
+    group = num_heads // key.shape[1]
+    out = torch.empty_like(query) if out is None else out
+    assert query.stride(2) == 1 and key.stride(2) == 1 and value.stride(2) == 1 and out.stride(2) == 1
+    num_qb = index.diag_cover.shape[1]
+    block = index.block
+    _sparse_kernel[(num_qb, num_heads)](
+        query, key, value, out,
+        index.diag_offsets, index.diag_count, index.diag_cover, index.blocks, index.block_count,
+        index.columns, index.column_count,
+        scale, n, num_qb, index.diag_offsets.shape[1], index.blocks.shape[2], index.columns.shape[1],
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        out.stride(0), out.stride(1), group, head_dim,
+        BLOCK=block, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_B=pow2(index.blocks.shape[2], 1),
+        PRECISION=dot_precision(query.dtype),
+    )  # fmt: skip
+    return out

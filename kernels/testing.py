@@ -1,0 +1,85 @@
+"""Inputs for kernel tests and benchmarks: paged batches with scattered blocks, error metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tgserve.kernels import reference
+
+
+@dataclass
+class PagedBatch:
+    """A flat variable-length batch whose context KV sits in a paged cache, blocks shuffled."""
+
+    query: torch.Tensor  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor  # [num_tokens, num_kv_heads, head_dim]: this step's keys (already cached)
+    value: torch.Tensor
+    kv_cache: torch.Tensor  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]
+    query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
+    seq_lens: torch.Tensor  # int32 [num_seqs]
+    slot_mapping: torch.Tensor  # int64 [num_tokens]: this step's slots
+
+
+def make_paged_batch(
+    q_lens: list[int],
+    seq_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    seed: int = 0,
+    spare_blocks: int = 3,
+) -> PagedBatch:
+    """Random queries and a cache holding every sequence's full context at shuffled block ids.
+
+    Unused cache entries are filled with NaN so that a kernel reading outside the context fails.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(per_seq) + spare_blocks
+    order = torch.randperm(num_blocks, generator=gen)
+    width = max(per_seq + [1])
+    tables = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(per_seq):
+        tables[i, :n] = order[used : used + n].to(torch.int32)
+        used += n
+    cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+    keys, values, slots = [], [], []
+    for i, (q_len, n) in enumerate(zip(q_lens, seq_lens)):
+        k = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
+        v = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
+        pos = torch.arange(n)
+        slot = tables[i, pos // block_size].long() * block_size + pos % block_size
+        reference.write_kv(k, v, cache, slot)
+        keys.append(k[n - q_len :])
+        values.append(v[n - q_len :])
+        slots.append(slot[n - q_len :])
+    num_tokens = sum(q_lens)
+    query = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype)
+    starts = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+    return PagedBatch(
+        query=query.to(device),
+        key=torch.cat(keys).to(device),
+        value=torch.cat(values).to(device),
+        kv_cache=cache.to(device),
+        block_tables=tables.to(device),
+        query_start_loc=starts.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        slot_mapping=torch.cat(slots).to(device),
+    )
+
+
+def max_abs_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest elementwise difference, in float32."""
+    return (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64."""
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()

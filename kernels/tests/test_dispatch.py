@@ -1,0 +1,55 @@
+"""Public entry points: routing on CPU, dense-vs-sparse threshold, and import hygiene."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+
+from tgserve.kernels import dispatch, reference
+from tgserve.kernels.sparse.attention import sparse_prefill
+from tgserve.kernels.sparse.config import HeadPattern, SparseConfig
+from tgserve.kernels.testing import make_paged_batch
+
+
+def test_importing_dispatch_does_not_import_triton():
+    """Backends import dispatch on CPU too; Triton must stay unloaded until a CUDA call."""
+    code = "import sys, tgserve.kernels.dispatch; print('triton' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
+
+
+def test_cpu_paths_are_the_references():
+    batch = make_paged_batch([3, 1], [10, 7], 4, 2, 16, 4, seed=1)
+    got = dispatch.paged_attention(batch.query, batch.kv_cache, batch.block_tables, batch.query_start_loc,
+                                   batch.seq_lens, 0.25, 3, 5.0)  # fmt: skip
+    want = reference.paged_attention(batch.query, batch.kv_cache, batch.block_tables, batch.query_start_loc,
+                                     batch.seq_lens, 0.25, 3, 5.0)  # fmt: skip
+    assert torch.equal(got, want)
+    cache = torch.zeros_like(batch.kv_cache)
+    dispatch.write_kv(batch.key, batch.value, cache, batch.slot_mapping)
+    expected = torch.zeros_like(batch.kv_cache)
+    reference.write_kv(batch.key, batch.value, expected, batch.slot_mapping)
+    assert torch.equal(cache, expected)
+
+
+def test_fresh_prefill_goes_sparse_only_above_the_threshold():
+    gen = torch.Generator().manual_seed(2)
+    starts = [0, 40, 240, 247]
+    q = torch.randn(247, 4, 32, generator=gen)
+    k, v = torch.randn(247, 2, 32, generator=gen), torch.randn(247, 2, 32, generator=gen)
+    cu = torch.tensor(starts, dtype=torch.int32)
+    pattern = HeadPattern("a_shape", sink=4, local=16)
+    config = SparseConfig(default=pattern, min_seq_len=128, block=16)
+    got = dispatch.fresh_prefill(q, k, v, cu, starts, 0.2, sparse=config, layer=0)
+    dense = reference.varlen_attention(q, k, v, cu, 0.2)
+    assert torch.allclose(got[:40], dense[:40], atol=1e-6) and torch.allclose(
+        got[240:], dense[240:], atol=1e-6
+    )
+    want = sparse_prefill(q[40:240], k[40:240], v[40:240], 0.2, [pattern] * 4, block=16)
+    assert torch.allclose(got[40:240], want, atol=1e-6)
+    assert not torch.allclose(got[40:240], dense[40:240], atol=1e-3), "the long prompt must be sparse"
+    # Sliding-window or softcapped layers stay dense whatever the length.
+    windowed = dispatch.fresh_prefill(q, k, v, cu, starts, 0.2, sliding_window=50, sparse=config)
+    assert torch.allclose(windowed, reference.varlen_attention(q, k, v, cu, 0.2, 50), atol=1e-6)

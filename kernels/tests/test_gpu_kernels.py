@@ -1,0 +1,100 @@
+"""GPU checks at realistic sizes with the flash-attention rule.
+
+A kernel's error against an fp32 reference must be at most twice the error of the same
+computation done by torch in the low-precision dtype, plus 1e-3.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tgserve.kernels import dispatch, reference
+from tgserve.kernels.testing import make_paged_batch, max_abs_err
+
+pytestmark = pytest.mark.gpu
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def _flash_rule(got: torch.Tensor, exact: torch.Tensor, low: torch.Tensor) -> None:
+    assert torch.isfinite(got).all()
+    kernel_err, torch_err = max_abs_err(got, exact), max_abs_err(low, exact)
+    assert kernel_err <= 2 * torch_err + 1e-3, (kernel_err, torch_err)
+
+
+def _paged_refs(batch, scale, window=None, softcap=None):
+    args = (batch.query, batch.kv_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens, scale,
+            window, softcap)  # fmt: skip
+    return reference.paged_attention(*args), reference.paged_attention(*args, upcast=False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,head_dim", [((32, 8), 128), ((32, 32), 64), ((16, 1), 256), ((8, 1), 128)])
+@pytest.mark.parametrize("window,softcap", [(None, None), (1000, None), (None, 30.0)])
+def test_decode_gpu(dtype, heads, head_dim, window, softcap):
+    seq_lens = [1, 15, 16, 17, 300, 1024, 4096, 2500]
+    batch = make_paged_batch([1] * len(seq_lens), seq_lens, *heads, head_dim, 16, dtype, "cuda", seed=1)
+    exact, low = _paged_refs(batch, head_dim**-0.5, window, softcap)
+    got = dispatch.paged_attention(batch.query, batch.kv_cache, batch.block_tables, batch.query_start_loc,
+                                   batch.seq_lens, head_dim**-0.5, window, softcap, max_query_len=1)  # fmt: skip
+    _flash_rule(got, exact, low)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(32, 8), (32, 32), (16, 1)])
+@pytest.mark.parametrize("window,softcap", [(None, None), (700, 50.0)])
+def test_paged_prefill_gpu(dtype, heads, window, softcap):
+    q_lens, seq_lens = [1000, 1, 513, 64, 0, 2048], [1000, 3000, 1537, 64, 10, 2100]
+    batch = make_paged_batch(q_lens, seq_lens, *heads, 128, 16, dtype, "cuda", seed=2)
+    exact, low = _paged_refs(batch, 0.088, window, softcap)
+    got = dispatch.paged_attention(batch.query, batch.kv_cache, batch.block_tables, batch.query_start_loc,
+                                   batch.seq_lens, 0.088, window, softcap)  # fmt: skip
+    _flash_rule(got, exact, low)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lens", [[4096], [100, 2000, 1, 777]])
+def test_dense_prefill_gpu(dtype, lens):
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    total = sum(lens)
+    q = torch.randn(total, 32, 128, device="cuda", generator=gen, dtype=dtype)
+    k, v = (torch.randn(total, 8, 128, device="cuda", generator=gen, dtype=dtype) for _ in range(2))
+    cu = torch.tensor([0, *lens], device="cuda").cumsum(0).to(torch.int32)
+    exact = reference.varlen_attention(q, k, v, cu, 0.088)
+    low = reference.varlen_attention(q, k, v, cu, 0.088, upcast=False)
+    _flash_rule(dispatch.dense_prefill(q, k, v, cu, max(lens), 0.088), exact, low)
+    from tgserve.kernels.paged_prefill import varlen_prefill
+
+    _flash_rule(varlen_prefill(q, k, v, cu, 0.088), exact, low)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sparse_kernel_gpu(dtype):
+    from tgserve.kernels.sparse.attention import estimate_index
+    from tgserve.kernels.sparse.config import HeadPattern
+    from tgserve.kernels.sparse.index import index_to_mask
+    from tgserve.kernels.sparse.kernel import sparse_attention_kernel
+
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    n = 4096
+    q = torch.randn(n, 8, 128, device="cuda", generator=gen, dtype=dtype)
+    k, v = (torch.randn(n, 2, 128, device="cuda", generator=gen, dtype=dtype) for _ in range(2))
+    patterns = [HeadPattern(vertical=200, slash=600), HeadPattern("a_shape", sink=64, local=512),
+                HeadPattern("block_sparse", blocks=8), HeadPattern("dense")] * 2  # fmt: skip
+    index = estimate_index(q, k, 0.088, patterns, 64, use_triton=True)
+    mask = index_to_mask(index)
+    exact = reference.masked_attention(q, k, v, mask, 0.088)
+    low = reference.masked_attention(q, k, v, mask, 0.088, upcast=False)
+    _flash_rule(sparse_attention_kernel(q, k, v, index, 0.088), exact, low)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_gpu(dtype):
+    cache = torch.zeros(2, 64, 16, 8, 128, device="cuda", dtype=dtype)
+    key, value = (torch.randn(300, 8, 128, device="cuda", dtype=dtype) for _ in range(2))
+    slots = torch.randperm(64 * 16, device="cuda")[:300]
+    slots[::7] = -1
+    expected = cache.clone()
+    reference.write_kv(key, value, expected, slots)
+    dispatch.write_kv(key, value, cache, slots)
+    assert torch.equal(cache, expected)

@@ -1,0 +1,143 @@
+"""Paged decode and paged/varlen prefill kernels against their torch twins (small sizes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tgserve.kernels import reference
+from tgserve.kernels.paged_decode import paged_decode
+from tgserve.kernels.paged_prefill import paged_prefill, varlen_prefill
+from tgserve.kernels.testing import make_paged_batch, max_abs_err
+
+ATOL = {torch.float32: 2e-5, torch.float16: 4e-3}
+# (num_heads, num_kv_heads): MHA, GQA 4, GQA 8, MQA.
+HEADS = [(2, 2), (8, 2), (16, 2), (8, 1)]
+
+
+def _check(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    assert torch.isfinite(got).all(), "rows left unwritten (poisoned output survived)"
+    assert max_abs_err(got.cpu(), want) <= ATOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads", HEADS)
+def test_decode_matches_reference(device, dtype, heads):
+    # Ragged contexts crossing page and tile boundaries: 1, page-1, page, tile+1, several tiles.
+    seq_lens = [1, 7, 8, 17, 45]
+    batch = make_paged_batch([1] * 5, seq_lens, *heads, 32, 8, dtype, device, seed=3)
+    want = reference.paged_attention(
+        batch.query.cpu(),
+        batch.kv_cache.cpu(),
+        batch.block_tables.cpu(),
+        batch.query_start_loc.cpu(),
+        batch.seq_lens.cpu(),
+        0.3,
+    )
+    out = torch.full_like(batch.query, float("nan"))
+    paged_decode(batch.query, batch.kv_cache, batch.block_tables, batch.seq_lens, 0.3, out=out)
+    _check(out, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "window,softcap,splits", [(None, None, 3), (5, None, 1), (20, 2.0, 4), (None, 1.5, 1)]
+)
+def test_decode_window_softcap_splits(device, dtype, window, softcap, splits):
+    seq_lens = [3, 16, 33, 50]
+    batch = make_paged_batch([1] * 4, seq_lens, 8, 2, 64, 16, dtype, device, seed=4)
+    want = reference.paged_attention(batch.query.cpu(), batch.kv_cache.cpu(), batch.block_tables.cpu(),
+                                     batch.query_start_loc.cpu(), batch.seq_lens.cpu(), 0.125,
+                                     window, softcap)  # fmt: skip
+    out = torch.full_like(batch.query, float("nan"))
+    paged_decode(batch.query, batch.kv_cache, batch.block_tables, batch.seq_lens, 0.125, window, softcap,
+                 out=out, num_splits=splits)  # fmt: skip
+    _check(out, want, dtype)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_decode_head_dims(device, head_dim):
+    batch = make_paged_batch([1, 1], [9, 24], 4, 1, head_dim, 16, torch.float16, device, seed=5)
+    want = reference.paged_attention(
+        batch.query.cpu(),
+        batch.kv_cache.cpu(),
+        batch.block_tables.cpu(),
+        batch.query_start_loc.cpu(),
+        batch.seq_lens.cpu(),
+        head_dim**-0.5,
+    )
+    out = torch.full_like(batch.query, float("nan"))
+    paged_decode(batch.query, batch.kv_cache, batch.block_tables, batch.seq_lens, head_dim**-0.5, out=out,
+                 num_splits=2)  # fmt: skip
+    _check(out, want, torch.float16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads", HEADS)
+def test_prefill_matches_reference(device, dtype, heads):
+    # A fresh prompt, a chunk after a prefix hit, a decode row and an empty sequence, one launch.
+    q_lens, seq_lens = [13, 6, 1, 0, 20], [13, 30, 9, 4, 21]
+    batch = make_paged_batch(q_lens, seq_lens, *heads, 32, 8, dtype, device, seed=6)
+    want = reference.paged_attention(
+        batch.query.cpu(),
+        batch.kv_cache.cpu(),
+        batch.block_tables.cpu(),
+        batch.query_start_loc.cpu(),
+        batch.seq_lens.cpu(),
+        0.2,
+    )
+    out = torch.full_like(batch.query, float("nan"))
+    paged_prefill(batch.query, batch.kv_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
+                  0.2, out=out)  # fmt: skip
+    _check(out, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("window,softcap", [(4, None), (None, 3.0), (11, 1.0)])
+def test_prefill_window_softcap(device, dtype, window, softcap):
+    q_lens, seq_lens = [17, 5, 1], [17, 40, 26]
+    batch = make_paged_batch(q_lens, seq_lens, 4, 2, 64, 16, dtype, device, seed=7)
+    want = reference.paged_attention(batch.query.cpu(), batch.kv_cache.cpu(), batch.block_tables.cpu(),
+                                     batch.query_start_loc.cpu(), batch.seq_lens.cpu(), 0.125,
+                                     window, softcap)  # fmt: skip
+    out = torch.full_like(batch.query, float("nan"))
+    paged_prefill(batch.query, batch.kv_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
+                  0.125, window, softcap, out=out)  # fmt: skip
+    _check(out, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads,window", [((4, 4), None), ((8, 1), None), ((8, 2), 6)])
+def test_varlen_dense_prefill(device, dtype, heads, window):
+    gen = torch.Generator().manual_seed(8)
+    lens = [1, 16, 23]
+    total = sum(lens)
+    q = torch.randn(total, heads[0], 32, generator=gen).to(dtype)
+    k = torch.randn(total, heads[1], 32, generator=gen).to(dtype)
+    v = torch.randn(total, heads[1], 32, generator=gen).to(dtype)
+    cu = torch.tensor([0, 1, 17, 40], dtype=torch.int32)
+    want = reference.varlen_attention(q, k, v, cu, 0.2, window)
+    out = torch.full_like(q, float("nan")).to(device)
+    varlen_prefill(q.to(device), k.to(device), v.to(device), cu.to(device), 0.2, window, out=out)
+    _check(out, want, dtype)
+
+
+def test_decode_with_an_underestimated_max_seq_len(device):
+    """max_seq_len only sizes the splits; the last split still covers the whole context."""
+    batch = make_paged_batch([1, 1], [70, 9], 4, 1, 32, 8, torch.float32, device, seed=9)
+    want = reference.paged_attention(batch.query.cpu(), batch.kv_cache.cpu(), batch.block_tables.cpu(),
+                                     batch.query_start_loc.cpu(), batch.seq_lens.cpu(), 0.3)  # fmt: skip
+    got = paged_decode(batch.query, batch.kv_cache, batch.block_tables, batch.seq_lens, 0.3, max_seq_len=20,
+                       num_splits=2)  # fmt: skip
+    _check(got, want, torch.float32)
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_prefill_head_dims(device, head_dim):
+    batch = make_paged_batch([5, 1], [21, 9], 4, 1, head_dim, 16, torch.float16, device, seed=10)
+    want = reference.paged_attention(batch.query.cpu(), batch.kv_cache.cpu(), batch.block_tables.cpu(),
+                                     batch.query_start_loc.cpu(), batch.seq_lens.cpu(), head_dim**-0.5)  # fmt: skip
+    out = torch.full_like(batch.query, float("nan"))
+    paged_prefill(batch.query, batch.kv_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
+                  head_dim**-0.5, out=out)  # fmt: skip
+    _check(out, want, torch.float16)

@@ -1,0 +1,65 @@
+"""Pattern configs: tgserve's JSON, MInference's JSON, defaults and errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tgserve.kernels.sparse.config import HeadPattern, load_sparse_config, parse_sparse_config
+
+
+def test_default_config_is_vertical_slash_everywhere():
+    config = load_sparse_config(None)
+    patterns = config.head_patterns(layer=3, num_heads=4)
+    assert patterns == [HeadPattern("vertical_slash", vertical=1000, slash=6096)] * 4
+    assert config.min_seq_len == 32768 and config.block == 64 and config.last_q == 64
+
+
+def test_tgserve_json_with_layer_and_head_overrides(tmp_path):
+    data = {
+        "min_seq_len": 8192,
+        "default": {"kind": "vertical_slash", "vertical": 500},
+        "layers": {
+            "0": {"1": {"kind": "a_shape", "sink": 128, "local": 2048}},
+            "2": {"default": {"kind": "block_sparse", "blocks": 50}, "0": {"kind": "dense"}},
+        },
+    }
+    path = tmp_path / "patterns.json"
+    path.write_text(json.dumps(data))
+    config = load_sparse_config(path)
+    assert config.min_seq_len == 8192
+    layer0 = config.head_patterns(0, 3)
+    assert layer0[0] == layer0[2] == HeadPattern("vertical_slash", vertical=500)
+    assert layer0[1].kind == "a_shape" and (layer0[1].sink, layer0[1].local) == (128, 2048)
+    layer2 = config.head_patterns(2, 2)
+    assert layer2[0].kind == "dense" and layer2[1] == HeadPattern("block_sparse", vertical=500, blocks=50)
+    assert config.head_patterns(7, 1) == [HeadPattern("vertical_slash", vertical=500)]
+
+
+def test_minference_best_pattern_json():
+    data = [
+        {"0": ["vertical_and_slash", 1000, 6096, 0.96], "1": ["stream_llm", 100, 800, 0.5]},
+        {"0": ["block_sparse", 0, 0, 0.9], "1": ["vertical_and_slash", 30, 800, 0.99]},
+    ]
+    config = parse_sparse_config(data)
+    assert config.head_patterns(0, 2) == [
+        HeadPattern("vertical_slash", vertical=1000, slash=6096),
+        HeadPattern("a_shape", sink=100, local=800),
+    ]
+    assert config.head_patterns(1, 2)[0].kind == "block_sparse"
+    assert config.head_patterns(1, 2)[1] == HeadPattern("vertical_slash", vertical=30, slash=800)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        {"default": {"kind": "diagonal"}},
+        {"default": {"vertcal": 3}},
+        {"default": {"slash": -1}},
+        [{"0": ["x", 1, 1]}],
+    ],
+)
+def test_bad_configs_are_rejected(data):
+    with pytest.raises(ValueError):
+        parse_sparse_config(data)

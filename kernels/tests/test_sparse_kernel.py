@@ -1,0 +1,96 @@
+"""Sparse prefill: Triton kernels against their torch twins, and the index semantics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tgserve.kernels import reference
+from tgserve.kernels.sparse import estimate
+from tgserve.kernels.sparse.attention import estimate_index, sparse_prefill
+from tgserve.kernels.sparse.config import HeadPattern
+from tgserve.kernels.sparse.index import build_index, index_to_mask
+from tgserve.kernels.sparse.kernel import sparse_attention_kernel
+from tgserve.kernels.sparse.pooled import pooled_max_scores_triton
+from tgserve.kernels.testing import max_abs_err
+
+ATOL = {torch.float32: 2e-5, torch.float16: 4e-3}
+MIXED = [
+    HeadPattern("vertical_slash", vertical=10, slash=40, sink=4, local=8, rescue=1),
+    HeadPattern("a_shape", sink=5, local=20),
+    HeadPattern("block_sparse", blocks=3, rescue=1),
+    HeadPattern("dense"),
+]
+
+
+def _qkv(n: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, h, dim, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (16, 2), (8, 1)])  # GQA 1, 4, 8, MQA
+def test_sparse_kernel_matches_masked_reference(device, dtype, heads, kv_heads):
+    """Mixed per-head patterns in one launch; n = 150 leaves a ragged last block of 16."""
+    n, block = 150, 16
+    q, k, v = _qkv(n, heads, kv_heads, 32, dtype, seed=heads + kv_heads)
+    patterns = [MIXED[h % len(MIXED)] for h in range(heads)]
+    index = estimate_index(q, k, 0.2, patterns, block, last_q=16)
+    want = reference.masked_attention(q, k, v, index_to_mask(index), 0.2)
+    moved = estimate_index(q.to(device), k.to(device), 0.2, patterns, block, last_q=16)
+    out = torch.full_like(q, float("nan")).to(device)
+    sparse_attention_kernel(q.to(device), k.to(device), v.to(device), moved, 0.2, out=out)
+    assert torch.isfinite(out).all(), "rows left unwritten"
+    assert max_abs_err(out.cpu(), want) <= ATOL[dtype]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_sparse_kernel_head_dims(device, head_dim):
+    n, block = 64, 16
+    q, k, v = _qkv(n, 4, 2, head_dim, torch.float16, seed=head_dim)
+    index = estimate_index(q, k, head_dim**-0.5, MIXED, block, last_q=16)
+    want = reference.masked_attention(q, k, v, index_to_mask(index), head_dim**-0.5)
+    got = sparse_prefill(q.to(device), k.to(device), v.to(device), head_dim**-0.5, MIXED, block, 16,
+                         use_triton=True)  # fmt: skip
+    assert max_abs_err(got.cpu(), want) <= ATOL[torch.float16]
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_pooled_max_triton_matches_torch(device, skip):
+    n, block = 70, 16
+    q, k, _ = _qkv(n, 4, 1, 32, torch.float32, seed=5)
+    skip_keys = (torch.rand(4, n, generator=torch.Generator().manual_seed(1)) < 0.3) if skip else None
+    want = estimate.pooled_max_scores(q, k[:, 0], 0.3, block, skip_keys)
+    got = pooled_max_scores_triton(q.to(device), k[:, 0].to(device), 0.3, block,
+                                   None if skip_keys is None else skip_keys.to(device))  # fmt: skip
+    assert torch.equal(torch.isinf(got.cpu()), torch.isinf(want))
+    torch.testing.assert_close(
+        got.cpu().nan_to_num(neginf=0.0), want.nan_to_num(neginf=0.0), atol=1e-4, rtol=1e-4
+    )
+
+
+def test_index_sources_are_a_union_without_double_counting(device):
+    """Columns and blocks overlapping the diagonals (and each other) count once, kernel = mask."""
+    n, block, nq = 96, 16, 6
+    cover = torch.zeros(2, nq, dtype=torch.bool)
+    cover[:, 0] = True
+    cover[1, 2] = True
+    blocks = torch.tensor([[[-1, -1]] * nq, [[0, 0], [0, 1], [0, 2], [1, 3], [2, 1], [5, 5]]])
+    columns = torch.tensor([[3, 3, 17, 40, 95], [1, 33, 50, 70, 500]])  # duplicates, out of range
+    index = build_index(n, block, cover, blocks, columns)
+    mask = index_to_mask(index)
+    assert index.block_count[1].tolist() == [0, 1, 0, 0, 1, 0]  # blocks on a selected diagonal dropped
+    expected = reference.causal_mask(n, n)[None] & torch.zeros(2, n, n, dtype=torch.bool)
+    pos = torch.arange(n)
+    qb, kb = pos[:, None] // block, pos[None, :] // block
+    expected[0] = (qb == kb) | torch.isin(pos, torch.tensor([3, 17, 40, 95]))[None, :]
+    expected[1] = (qb == kb) | (qb - kb == 2) | torch.isin(pos, torch.tensor([1, 33, 50, 70]))[None, :]
+    expected[1] |= ((qb == 1) & (kb == 0)) | ((qb == 4) & (kb == 1))
+    expected &= reference.causal_mask(n, n)
+    assert torch.equal(mask, expected)
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(n, 2, 16, generator=gen) for _ in range(3))
+    want = reference.masked_attention(q, k, v, mask, 0.25)
+    moved = build_index(n, block, cover.to(device), blocks.to(device), columns.to(device))
+    got = sparse_attention_kernel(q.to(device), k.to(device), v.to(device), moved, 0.25)
+    assert max_abs_err(got.cpu(), want) <= 2e-5

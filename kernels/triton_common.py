@@ -1,0 +1,63 @@
+"""Triton building blocks shared by the attention kernels: scores, masking, online softmax."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def tanh(x):
+    """tanh through exp: portable across Triton versions and the interpreter (saturates cleanly)."""
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def attend_tile(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k,
+    v,
+    mask,
+    sm_scale,
+    softcap,
+    USE_SOFTCAP: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One flash-attention step: fold the keys/values of a tile into the running (acc, max, sum).
+
+    Scores are kept in base 2 (exp2 is the native instruction); m_i is the running max in that
+    base. Rows that have seen no allowed key keep m_i = -inf, and the `m_safe` trick keeps them
+    NaN-free so they end with acc = 0, l = 0.
+    """
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
+    if USE_SOFTCAP:
+        s = softcap * tanh(s / softcap)
+    s = tl.where(mask, s * 1.4426950408889634, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs get exact fp32 products (TF32 would break the fp32 tests on GPU)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def pow2(n: int, minimum: int = 16) -> int:
+    """Next power of two, at least `minimum` (tl.dot wants every dimension >= 16)."""
+    return max(minimum, triton.next_power_of_2(n))
+
+
+def interpreting() -> bool:
+    """True under TRITON_INTERPRET=1 (CPU tests): kernels then use tiny tiles to stay fast."""
+    return bool(triton.knobs.runtime.interpret)
