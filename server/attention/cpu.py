@@ -92,25 +92,36 @@ def decode_attention(
     seq_lens: torch.Tensor,  # [B]
     layer: AttentionLayerParams,
 ) -> torch.Tensor:  # [B, num_heads, head_dim]
-    """All decoding sequences at once: contexts gathered padded to the longest, padding masked out."""
+    """All decoding sequences at once: whole blocks gathered, padded to the longest, padding masked out."""
     batch, num_heads, dim = query.shape
     block_size = kv_cache.shape[2]
-    max_len = int(seq_lens.max())
-    positions = torch.arange(max_len, device=query.device)
-    slots = block_tables[:, positions // block_size].long() * block_size + positions % block_size  # [B, L]
-    flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
-    keys, values = flat[0, slots].float(), flat[1, slots].float()  # [B, L, H_kv, D]
-    num_kv = keys.shape[2]
-    q = query.float().view(batch, num_kv, num_heads // num_kv, dim)
-    scores = torch.einsum("bkgd,blkd->bkgl", q, keys) * layer.scale
-    if layer.softcap is not None:
-        scores = torch.tanh(scores / layer.softcap) * layer.softcap
+    num_blocks = -(-int(seq_lens.max()) // block_size)
+    tables = block_tables[:, :num_blocks].reshape(-1).long()
+    # [2, B, L, H_kv, D] with L = num_blocks * block_size: one row gather of whole blocks (index_select
+    # copies contiguous rows, about twice as fast on CPU as advanced indexing), no per-token slots.
+    blocks = kv_cache.view(2, kv_cache.shape[1], -1).index_select(1, tables)
+    keys, values = blocks.view(2, batch, num_blocks * block_size, *kv_cache.shape[-2:])
+    positions = torch.arange(keys.shape[1], device=query.device)
     query_pos = (seq_lens.long() - 1)[:, None]
     allowed = positions[None, :] <= query_pos
     if layer.spec.sliding_window is not None:
         allowed &= positions[None, :] > query_pos - layer.spec.sliding_window
+    if layer.softcap is None:
+        out = F.scaled_dot_product_attention(
+            query[:, :, None, :],
+            keys.transpose(1, 2).to(query.dtype),
+            values.transpose(1, 2).to(query.dtype),
+            attn_mask=allowed[:, None, None, :],
+            scale=layer.scale,
+            enable_gqa=True,
+        )
+        return out[:, :, 0, :]
+    num_kv = keys.shape[2]
+    q = query.float().view(batch, num_kv, num_heads // num_kv, dim)
+    scores = torch.einsum("bkgd,blkd->bkgl", q, keys.float()) * layer.scale
+    scores = torch.tanh(scores / layer.softcap) * layer.softcap
     scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
-    out = torch.einsum("bkgl,blkd->bkgd", torch.softmax(scores, dim=-1), values)
+    out = torch.einsum("bkgl,blkd->bkgd", torch.softmax(scores, dim=-1), values.float())
     return out.reshape(batch, num_heads, dim).to(query.dtype)
 
 

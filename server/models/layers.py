@@ -50,21 +50,33 @@ def rope_inverse_frequencies(config: Any, head_dim: int) -> tuple[torch.Tensor, 
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half (GPT-NeoX style) rotary embedding applied at explicit positions."""
+    """Rotate-half (GPT-NeoX style) rotary embedding applied at explicit positions.
+
+    One instance is shared by all layers of a model: cos/sin are computed once per forward pass
+    (memoised on the positions tensor, which the runner makes anew each step).
+    """
 
     def __init__(self, config: Any, head_dim: int) -> None:
         super().__init__()
         inv_freq, self.scaling = rope_inverse_frequencies(config, head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._memo: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin, [T, 1, D], for the step's positions."""
+        if self._memo is not None and self._memo[0] is positions:
+            return self._memo[1], self._memo[2]
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        cos, sin = (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+        self._memo = (positions, cos, sin)
+        return cos, sin
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # query [T, H, D], key [T, H_kv, D]; cos/sin [T, 1, D]
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        cos = (emb.cos() * self.scaling).to(query.dtype)
-        sin = (emb.sin() * self.scaling).to(query.dtype)
+        # query [T, H, D], key [T, H_kv, D]
+        cos, sin = self.cos_sin(positions, query.dtype)
         return query * cos + rotate_half(query) * sin, key * cos + rotate_half(key) * sin
 
 

@@ -30,7 +30,7 @@ def _family_flags(config: Any) -> dict[str, bool]:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, layer_idx: int) -> None:
+    def __init__(self, config: Any, layer_idx: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         flags = _family_flags(config)
         self.layer_idx = layer_idx
@@ -41,7 +41,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=flags["o_bias"])
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if flags["qk_norm"] else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if flags["qk_norm"] else None
-        self.rotary = RotaryEmbedding(config, self.head_dim)
+        self.rotary = rotary
         self.scale = self.head_dim**-0.5
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -71,9 +71,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_idx: int) -> None:
+    def __init__(self, config: Any, layer_idx: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx)
+        self.self_attn = LlamaAttention(config, layer_idx, rotary)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -87,7 +87,10 @@ class LlamaModel(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        rotary = RotaryEmbedding(config, head_dim(config))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, rotary) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
