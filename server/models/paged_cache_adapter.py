@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from tgserve.server.attention.cpu import attention_mask, gather_context, write_kv
+from tgserve.kernels.reference import causal_mask, gather_kv, write_kv
 from tgserve.server.forward_context import ForwardContext
 
 
@@ -27,7 +27,7 @@ class PagedCacheAdapter(Cache):
         write_kv(key_states[0].transpose(0, 1), value_states[0].transpose(0, 1), kv_cache, meta.slot_mapping)
         keys, values = [], []
         for i, seq_len in enumerate(meta.seq_lens_cpu):
-            k, v = gather_context(kv_cache, meta.block_tables[i], seq_len)
+            k, v = gather_kv(kv_cache, meta.block_tables[i], seq_len)
             keys.append(k)
             values.append(v)
         packed_k = torch.cat(keys).transpose(0, 1)[None].to(key_states.dtype)
@@ -54,7 +54,7 @@ def packed_context_mask(ctx: ForwardContext, dtype: torch.dtype) -> torch.Tensor
     column = 0
     for i, seq_len in enumerate(meta.seq_lens_cpu):
         begin, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
-        allowed[begin:end, column : column + seq_len] = attention_mask(end - begin, seq_len, None, device)
+        allowed[begin:end, column : column + seq_len] = causal_mask(end - begin, seq_len, None, device)
         column += seq_len
     mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)

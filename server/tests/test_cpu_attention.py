@@ -8,8 +8,9 @@ import random
 import pytest
 import torch
 
+from tgserve.kernels.reference import write_kv
 from tgserve.server.attention.backend import AttentionLayerParams
-from tgserve.server.attention.cpu import CpuAttentionBackend, write_kv
+from tgserve.server.attention.cpu import CpuAttentionBackend
 from tgserve.server.attention.metadata import AttentionMetadata
 from tgserve.server.kv_cache import KVCacheSpec
 
