@@ -10,5 +10,5 @@ paged_prefill   Triton: varlen queries over the paged cache (chunked prefill, pr
 triton_common   shared Triton pieces (online-softmax tile step, softcap)
 sparse/         MInference-style sparse prefill: pattern configs, estimation, index, kernel
 testing         paged test batches and error metrics (tests and benchmarks)
-bench/          GPU benchmark and sparse-accuracy scripts (not part of the package)
+bench/          GPU benchmark, sparse-accuracy and sparse-profile scripts (not part of the package)
 """

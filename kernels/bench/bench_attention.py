@@ -4,9 +4,13 @@
 
 Shapes: batch 1, 32 query heads, 8 KV heads, head_dim 128, bf16, causal.
   dense prefill   SDPA cuDNN backend, SDPA flash backend, FlexAttention (causal block mask),
-                  flash-attn varlen if installed, tgserve's Triton varlen kernel
-  sparse prefill  default pattern config (vertical-slash 1000/6096, rescue 2) on planted prompts
-                  at 32K / 128K / 512K: estimation, sparse kernel and total, against dense SDPA
+                  flash-attn varlen if installed, tgserve's Triton varlen kernel, and tgserve's
+                  dense dispatch (what fresh_prefill runs below the sparse threshold);
+                  --cudnn lengths: the cuDNN baseline alone (1 timed run past 128K)
+  sparse prefill  default pattern config (vertical-slash 1000/6096, rescue 2) on planted prompts:
+                  estimation, sparse kernel and total, against cuDNN dense (the issue's
+                  baseline), with the kernel's TFLOP/s on the tiles it computes
+  kernel only     --kernel-only lengths (1M): sparse kernel time and memory, index estimated once
   paged decode    batch 64 x 4K context: time and achieved HBM bandwidth (KV bytes read / time)
   paged prefill   chunked prefill: 4 chunks of 2K queries over 8K contexts
 Writes bench_attention.json and bench_attention.md under --out.
@@ -73,6 +77,7 @@ def dense_prefill_rows(n: int, iters: int) -> dict[str, float | None]:
     from torch.nn.attention import SDPBackend
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    from tgserve.kernels import dispatch
     from tgserve.kernels.paged_prefill import varlen_prefill
 
     q = torch.randn(1, HEADS, n, DIM, device="cuda", dtype=DTYPE)
@@ -87,6 +92,7 @@ def dense_prefill_rows(n: int, iters: int) -> dict[str, float | None]:
     qf, kf, vf = (x[0].transpose(0, 1).contiguous() for x in (q, k, v))
     cu = torch.tensor([0, n], dtype=torch.int32, device="cuda")
     rows["triton_varlen"] = try_ms(lambda: varlen_prefill(qf, kf, vf, cu, DIM**-0.5), iters)
+    rows["tgserve_dispatch"] = try_ms(lambda: dispatch.dense_prefill(qf, kf, vf, cu, n, DIM**-0.5), iters)
     try:
         from flash_attn import flash_attn_varlen_func
 
@@ -98,11 +104,24 @@ def dense_prefill_rows(n: int, iters: int) -> dict[str, float | None]:
     return rows
 
 
-def sparse_prefill_row(n: int, iters: int) -> dict[str, float]:
-    """Estimation, kernel and total milliseconds of the default sparse config, plus its density."""
+def cudnn_row(n: int) -> dict[str, float | None]:
+    """The cuDNN dense baseline alone (for lengths where the other backends take seconds)."""
+    from torch.nn.attention import SDPBackend
+
+    q = torch.randn(1, HEADS, n, DIM, device="cuda", dtype=DTYPE)
+    k, v = (torch.randn(1, KV_HEADS, n, DIM, device="cuda", dtype=DTYPE) for _ in range(2))
+    run = sdpa_backend(SDPBackend.CUDNN_ATTENTION)
+    try:
+        ms = timed_ms(lambda: run(q, k, v), warmup=1, iters=1 if n > 131072 else 3)
+    except RuntimeError as err:
+        print(f"    skipped: {str(err).splitlines()[0][:120]}")
+        ms = None
+    return {"sdpa_cudnn": ms}
+
+
+def _sparse_setup(n: int):
     from tgserve.kernels.sparse.attention import estimate_index
     from tgserve.kernels.sparse.config import SparseConfig
-    from tgserve.kernels.sparse.kernel import sparse_attention_kernel
     from tgserve.kernels.sparse.synthetic import planted_prompt
 
     config = SparseConfig()
@@ -112,12 +131,50 @@ def sparse_prefill_row(n: int, iters: int) -> dict[str, float]:
     def estimate():
         return estimate_index(p.query, p.key, p.scale, patterns, config.block, config.last_q, use_triton=True)
 
+    return p, estimate
+
+
+def tile_tflops(index, ms: float) -> float:
+    """TFLOP/s of the sparse kernel counting every block x block tile it computes (QK^T and PV)."""
+    return index.tiles() * 4 * index.block**2 * DIM / (ms * 1e-3) / 1e12
+
+
+def sparse_prefill_row(n: int, iters: int) -> dict[str, float]:
+    """Estimation, kernel and total milliseconds of the default sparse config, density, tile TFLOP/s."""
+    from tgserve.kernels.sparse.kernel import sparse_attention_kernel
+
+    p, estimate = _sparse_setup(n)
     index = estimate()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
     est = timed_ms(estimate, warmup=1, iters=iters)
+    est_mem = torch.cuda.max_memory_allocated() - base
     kern = timed_ms(
         lambda: sparse_attention_kernel(p.query, p.key, p.value, index, p.scale), warmup=1, iters=iters
     )
-    return {"estimate_ms": est, "kernel_ms": kern, "total_ms": est + kern, "density": index.density()}
+    return {"estimate_ms": est, "kernel_ms": kern, "total_ms": est + kern, "density": index.density(),
+            "tiles": index.tiles(), "kernel_TFLOP/s": tile_tflops(index, kern),
+            "estimate_peak_GiB": est_mem / 2**30}  # fmt: skip
+
+
+def kernel_only_row(n: int) -> dict[str, float]:
+    """Sparse kernel alone at n tokens (index estimated once, untimed): time, TFLOP/s, memory."""
+    from tgserve.kernels.sparse.kernel import sparse_attention_kernel
+
+    p, estimate = _sparse_setup(n)
+    index = estimate()
+    out = torch.empty_like(p.query)
+    torch.cuda.synchronize()
+    tensors = [p.query, p.key, p.value, out] + [x for x in vars(index).values() if torch.is_tensor(x)]
+    held = sum(x.numel() * x.element_size() for x in tensors)
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    ms = timed_ms(lambda: sparse_attention_kernel(p.query, p.key, p.value, index, p.scale, out=out),
+                  warmup=1, iters=2)  # fmt: skip
+    return {"kernel_ms": ms, "density": index.density(), "kernel_TFLOP/s": tile_tflops(index, ms),
+            "inputs_output_index_GiB": held / 2**30,
+            "kernel_extra_GiB": (torch.cuda.max_memory_allocated() - base) / 2**30}  # fmt: skip
 
 
 def paged_decode_row(batch: int = 64, context: int = 4096, block_size: int = 16) -> dict[str, float]:
@@ -176,18 +233,21 @@ def markdown(results: dict) -> str:
             f"{row[x]:.2f} ({causal_tflops(int(n), row[x]):.0f})" if row.get(x) else "n/a" for x in names
         ]
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
-    lines += [
-        "",
-        "## Sparse prefill, default config (ms)",
-        "",
-        "| tokens | estimate | kernel | total | density | dense SDPA flash | speed-up |",
-        "|---" * 7 + "|",
-    ]
+    dense_at = {n: row.get("sdpa_cudnn") for n, row in {**results["dense"], **results["cudnn"]}.items()}
+    lines += ["", "## Sparse prefill, default config (ms; speed-up = cuDNN dense / sparse total)", "",
+              "| tokens | estimate | kernel | total | density | kernel TFLOP/s (tiles) | cuDNN dense | speed-up |",
+              "|---" * 8 + "|"]  # fmt: skip
     for n, row in results["sparse"].items():
-        dense = results["dense"].get(n, {}).get("sdpa_flash")
+        dense = dense_at.get(n)
         speed = f"{dense / row['total_ms']:.2f}x" if dense else "n/a"
         lines.append(f"| {n} | {row['estimate_ms']:.1f} | {row['kernel_ms']:.1f} | {row['total_ms']:.1f} | "
-                     f"{row['density']:.3f} | {dense or float('nan'):.1f} | {speed} |")  # fmt: skip
+                     f"{row['density']:.3f} | {row['kernel_TFLOP/s']:.0f} | {dense or float('nan'):.1f} | "
+                     f"{speed} |")  # fmt: skip
+    for n, row in results["kernel_only"].items():
+        lines += ["", f"Kernel only at {n} tokens: {row['kernel_ms']:.1f} ms, density {row['density']:.4f}, "
+                  f"{row['kernel_TFLOP/s']:.0f} TFLOP/s on its tiles; memory: q, k, v, out and index "
+                  f"{row['inputs_output_index_GiB']:.2f} GiB; allocated by the kernel call beyond them: "
+                  f"{row['kernel_extra_GiB']:.3f} GiB."]  # fmt: skip
     d, p = results["decode"], results["prefill_paged"]
     lines += ["", "## Paged kernels", "",
               f"- decode, batch 64 x 4K: {d['ms']:.3f} ms eager ({d['GB/s']:.0f} GB/s), "
@@ -203,18 +263,31 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     parser.add_argument("--dense", type=int, nargs="*", default=[4096, 16384, 32768, 131072, 524288])
     parser.add_argument("--sparse", type=int, nargs="*", default=[32768, 131072, 524288])
+    parser.add_argument("--cudnn", type=int, nargs="*", default=[], help="cuDNN-only baseline lengths")
+    parser.add_argument("--kernel-only", type=int, nargs="*", default=[1048576])
     parser.add_argument("--iters", type=int, default=5)
     args = parser.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
-    results: dict = {"device": torch.cuda.get_device_name(), "dense": {}, "sparse": {}}
+    results: dict = {"device": torch.cuda.get_device_name(), "dense": {}, "cudnn": {}, "sparse": {},
+                     "kernel_only": {}}  # fmt: skip
     for n in args.dense:
         print(f"dense {n}")
         results["dense"][str(n)] = dense_prefill_rows(n, args.iters if n <= 131072 else 2)
         print("   ", results["dense"][str(n)])
+    for n in args.cudnn:
+        print(f"cudnn {n}")
+        results["cudnn"][str(n)] = cudnn_row(n)
+        print("   ", results["cudnn"][str(n)])
     for n in args.sparse:
         print(f"sparse {n}")
         results["sparse"][str(n)] = sparse_prefill_row(n, args.iters if n <= 131072 else 2)
         print("   ", results["sparse"][str(n)])
+        torch.cuda.empty_cache()
+    for n in args.kernel_only:
+        print(f"kernel only {n}")
+        results["kernel_only"][str(n)] = kernel_only_row(n)
+        print("   ", results["kernel_only"][str(n)])
+        torch.cuda.empty_cache()
     results["decode"] = paged_decode_row()
     results["prefill_paged"] = paged_prefill_row()
     print(results["decode"], results["prefill_paged"])

@@ -2,7 +2,9 @@
 
 `sparse_prefill(..., use_triton=False)` is the torch twin of the whole path: the same estimation
 (in torch) and the same index, then masked dense attention; `use_triton=True` runs the Triton
-pooled-max estimate and the Triton sparse kernel.
+estimation (last-query statistics and rescue blocks, lastq.py / pooled.py) and the Triton sparse
+kernel. Estimation is vectorised over the heads of each pattern kind: one launch per step for the
+whole layer, whatever the number of KV heads.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import torch
 
 from tgserve.kernels import reference
 from tgserve.kernels.sparse import estimate
-from tgserve.kernels.sparse.config import HeadPattern
+from tgserve.kernels.sparse.config import KINDS, HeadPattern
 from tgserve.kernels.sparse.index import (
     SparseIndex,
     build_index,
@@ -28,98 +30,31 @@ def _scatter_rows(parts: list[tuple[list[int], torch.Tensor]], rows: int, fill: 
     out = []
     for heads, part in parts:
         full = torch.full((rows, *part.shape[1:]), fill, dtype=torch.long, device=part.device)
-        full[heads] = part.long()
+        full[estimate.head_index(heads, part.device)] = part.long()
         out.append(full)
     return torch.cat(out, dim=-1)
 
 
-def _group_parts(
-    q: torch.Tensor, k: torch.Tensor, scale: float, patterns: list[HeadPattern], block: int, last_q: int,
-    use_triton: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
-    """Pattern parts of the query heads sharing one KV head: cover [G, Q], blocks, columns."""
-    n, group = q.shape[0], q.shape[1]
-    nq = num_blocks(n, block)
-    device = q.device
-    cover = torch.zeros(group, nq, dtype=torch.bool, device=device)
-    cols: list[tuple[list[int], torch.Tensor]] = []
-    blocks: list[tuple[list[int], torch.Tensor]] = []
-    kinds = {kind: [g for g, p in enumerate(patterns) if p.kind == kind] for kind in
-             ("dense", "a_shape", "vertical_slash", "block_sparse")}  # fmt: skip
-    cover[kinds["dense"]] = True
-    if a := kinds["a_shape"]:
-        local = estimate.host_values([patterns[g].local for g in a], device)
-        cover[a] = window_cover(local, nq, block)
-        sink = max(patterns[g].sink for g in a)
-        first = torch.arange(min(sink, n), device=device).expand(len(a), -1)
-        limits = estimate.host_values([patterns[g].sink for g in a], device)[:, None]
-        cols.append((a, torch.where(first < limits, first, -1)))
-    if vs := kinds["vertical_slash"]:
-        vertical, slash = estimate.last_q_stats(q[:, vs], k, scale, last_q)
-        p = [patterns[g] for g in vs]
-        cols.append((vs, estimate.top_with_forced(vertical, [x.vertical for x in p], [x.sink for x in p])))
-        # Diagonals are selected in block units, the unit the kernel pays for: slash / block
-        # block diagonals by captured mass (scattered single diagonals would each cost a block).
-        scores = estimate.block_diagonal_scores(slash, block)
-        budget = [-(-x.slash // block) for x in p]
-        forced = [-(-x.local // block) + 1 for x in p]
-        cover[vs] = estimate.top_diagonals(scores, budget, forced)
-    if bs := kinds["block_sparse"]:
-        scores = estimate.force_blocks(estimate.pooled_mean_scores(q[:, bs], k, scale, block))
-        blocks.append((bs, estimate.top_blocks(scores, [patterns[g].blocks for g in bs])))
-    if rs := [g for g in kinds["vertical_slash"] + kinds["block_sparse"] if patterns[g].rescue > 0]:
-        listed = _scatter_rows(blocks, group, -1)
-        columns = _scatter_rows(cols, group, -1)
-        blocks.append((rs, _rescue(q[:, rs], k, scale, block, cover[rs],
-                                   None if listed is None else listed[rs],
-                                   None if columns is None else columns[rs],
-                                   [patterns[g].rescue for g in rs], use_triton)))  # fmt: skip
-    return cover, _scatter_rows(blocks, group, -1), _scatter_rows(cols, group, -1)
+def _block_sparse(
+    query: torch.Tensor, key: torch.Tensor, scale: float, heads: list[int], budget: list[int], block: int
+) -> torch.Tensor:
+    """[S, Q, K] key blocks of block-sparse heads by pooled (block-mean) scores, KV group by group.
 
-
-def _rescue(
-    q: torch.Tensor, k: torch.Tensor, scale: float, block: int, cover: torch.Tensor,
-    listed: torch.Tensor | None, columns: torch.Tensor | None, budget: list[int], use_triton: bool,
-) -> torch.Tensor:  # fmt: skip
-    """Top key blocks by pooled-max score among keys and blocks the pattern does not hold yet."""
-    n = q.shape[0]
-    skip = None
-    if columns is not None:
-        skip = torch.zeros(q.shape[1], n + 1, dtype=torch.bool, device=q.device)
-        skip.scatter_(1, torch.where(columns >= 0, columns, n), True)
-        skip = skip[:, :n]
-    if use_triton:
-        from tgserve.kernels.sparse.pooled import pooled_max_scores_triton
-
-        scores = pooled_max_scores_triton(q, k, scale, block, skip)
-    else:
-        scores = estimate.pooled_max_scores(q, k, scale, block, skip)
-    nq = scores.shape[-1]
-    i = torch.arange(nq, device=q.device)
-    held = cover[:, (i[:, None] - i[None, :]).clamp(min=0)]  # [G, Q, Q] block diagonal held
-    if listed is not None:
-        taken = torch.zeros(*held.shape[:2], nq + 1, dtype=torch.bool, device=q.device)
-        taken.scatter_(2, torch.where(listed >= 0, listed, nq), True)
-        held |= taken[..., :nq]
-    picks = estimate.top_blocks(scores, budget, exclude=held)  # [G, Q, r]
-    # Neighbouring query blocks share their picks: a run of queries seeking one key rarely
-    # aligns with block edges, and an edge block's mean query is diluted by the others in it.
-    before = torch.nn.functional.pad(picks[:, :-1], (0, 0, 1, 0), value=-1)
-    after = torch.nn.functional.pad(picks[:, 1:], (0, 0, 0, 1), value=-1)
-    return torch.cat([picks, before, after], dim=-1)
-
-
-def _pad_cat(parts: list[torch.Tensor | None], rows: list[int], fill: int) -> torch.Tensor | None:
-    """Stack per-group [G, ..., w] tensors along heads, padding widths to the widest (None = empty)."""
-    present = [p for p in parts if p is not None]
-    if not present:
-        return None
-    width, like = max(p.shape[-1] for p in present), present[0]
-    padded = []
-    for p, r in zip(parts, rows):
-        p = like.new_full((r, *like.shape[1:-1], width), fill) if p is None else p
-        padded.append(torch.nn.functional.pad(p, (0, width - p.shape[-1]), value=fill))
-    return torch.cat(padded)
+    The [G, Q, Q] pooled scores of one group at a time bound memory (256 MiB per head at 512K).
+    """
+    group = query.shape[1] // key.shape[1]
+    nq = num_blocks(query.shape[0], block)
+    out = torch.full(
+        (len(heads), nq, max(1, min(nq, max(budget)))), -1, dtype=torch.long, device=query.device
+    )
+    for kv in range(key.shape[1]):
+        rows = [i for i, h in enumerate(heads) if h // group == kv]
+        if rows:
+            q = query[:, [heads[i] for i in rows]]
+            scores = estimate.force_blocks(estimate.pooled_mean_scores(q, key[:, kv], scale, block))
+            picks = estimate.top_blocks(scores, [budget[i] for i in rows])
+            out[estimate.head_index(rows, query.device), :, : picks.shape[-1]] = picks
+    return out
 
 
 def estimate_index(
@@ -131,20 +66,55 @@ def estimate_index(
     last_q: int = 64,
     use_triton: bool = False,
 ) -> SparseIndex:
-    """Estimate every head's sparse index; KV head by KV head to bound estimation memory."""
+    """Estimate every head's sparse index: block-diagonal cover, listed blocks, key columns."""
     n, num_heads, _ = query.shape
-    num_kv = key.shape[1]
-    group = num_heads // num_kv
     assert len(patterns) == num_heads, "one pattern per query head"
-    covers, blocks, cols = [], [], []
-    for h in range(num_kv):
-        sl = slice(h * group, (h + 1) * group)
-        c, b, col = _group_parts(query[:, sl], key[:, h], scale, patterns[sl], block, last_q, use_triton)
-        covers.append(c)
-        blocks.append(b)
-        cols.append(col)
-    rows = [group] * num_kv
-    return build_index(n, block, torch.cat(covers), _pad_cat(blocks, rows, -1), _pad_cat(cols, rows, -1))
+    nq = num_blocks(n, block)
+    device = query.device
+    kinds = {kind: [h for h, p in enumerate(patterns) if p.kind == kind] for kind in KINDS}
+    cover = torch.zeros(num_heads, nq, dtype=torch.bool, device=device)
+    if kinds["dense"]:
+        cover[estimate.head_index(kinds["dense"], device)] = True
+    cols: list[tuple[list[int], torch.Tensor]] = []
+    blocks: list[tuple[list[int], torch.Tensor]] = []
+    if a := kinds["a_shape"]:
+        local = estimate.host_values([patterns[h].local for h in a], device)
+        cover[estimate.head_index(a, device)] = window_cover(local, nq, block)
+        sink = max(patterns[h].sink for h in a)
+        first = torch.arange(min(sink, n), device=device).expand(len(a), -1)
+        limits = estimate.host_values([patterns[h].sink for h in a], device)[:, None]
+        cols.append((a, torch.where(first < limits, first, -1)))
+    if vs := kinds["vertical_slash"]:
+        if use_triton:
+            from tgserve.kernels.sparse.lastq import last_q_scores_triton as scores_of
+        else:
+            scores_of = estimate.vertical_slash_scores
+        vertical, diagonal = scores_of(query, key, vs, scale, last_q, block)
+        p = [patterns[h] for h in vs]
+        cols.append((vs, estimate.top_with_forced(vertical, [x.vertical for x in p], [x.sink for x in p])))
+        # Diagonals are selected in block units, the unit the kernel pays for: slash / block
+        # block diagonals by captured mass (scattered single diagonals would each cost a block).
+        budget = [-(-x.slash // block) for x in p]
+        forced = [-(-x.local // block) + 1 for x in p]
+        cover[estimate.head_index(vs, device)] = estimate.top_diagonals(diagonal, budget, forced)
+    if bs := kinds["block_sparse"]:
+        blocks.append((bs, _block_sparse(query, key, scale, bs, [patterns[h].blocks for h in bs], block)))
+    if rs := [h for h in kinds["vertical_slash"] + kinds["block_sparse"] if patterns[h].rescue > 0]:
+        listed = _scatter_rows(blocks, num_heads, -1)
+        columns = _scatter_rows(cols, num_heads, -1)
+        at = estimate.head_index(rs, device)
+        args = (cover[at], None if listed is None else listed[at], None if columns is None else columns[at],
+                [patterns[h].rescue for h in rs])  # fmt: skip
+        if use_triton:
+            from tgserve.kernels.sparse.pooled import rescue_blocks_triton
+
+            picks = rescue_blocks_triton(query, key, rs, block, *args)
+        else:
+            picks = estimate.rescue_blocks(query, key, rs, scale, block, *args)
+        blocks.append((rs, estimate.share_neighbours(picks)))
+    return build_index(
+        n, block, cover, _scatter_rows(blocks, num_heads, -1), _scatter_rows(cols, num_heads, -1)
+    )
 
 
 def sparse_prefill(

@@ -1,8 +1,10 @@
-"""Online estimation of sparse indices, in torch ops on the queries' device (no host sync).
+"""Online estimation of sparse indices in torch ops (no host sync): the twins of lastq.py/pooled.py.
 
-Every function here works on the query heads that share ONE KV head (grouped-query natively: the
-group's queries are stacked against their key, which is never repeated), so the caller bounds
-memory by looping over KV heads. Shapes: q [n, G, d], k [n, d].
+The per-group functions work on the query heads that share ONE KV head (grouped-query natively:
+the group's queries are stacked against their key, which is never repeated), shapes q [n, G, d],
+k [n, d]; `vertical_slash_scores` and `rescue_blocks` take the whole layer ([n, H, d] queries,
+[n, Hkv, d] keys, a list of query heads) and loop over heads to bound memory. On CUDA the
+attention path calls their Triton versions instead, which never hold an [L, n] or [Q, Q] matrix.
 """
 
 from __future__ import annotations
@@ -16,6 +18,15 @@ def host_values(values: list[int], device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return torch.tensor(values, device=device)
     return torch.tensor(values, pin_memory=True).to(device, non_blocking=True)
+
+
+def head_index(heads: list[int], device: torch.device) -> slice | torch.Tensor:
+    """Index of a list of heads: a slice for a contiguous run (the usual case: every head of a
+    kind), else a device tensor copied without a blocking transfer (a Python list index would be
+    copied synchronously, stalling the host until the GPU drains its queue)."""
+    if heads == list(range(heads[0], heads[0] + len(heads))):
+        return slice(heads[0], heads[0] + len(heads))
+    return host_values(heads, device)
 
 
 def last_q_stats(
@@ -76,6 +87,25 @@ def block_diagonal_scores(slash: torch.Tensor, block: int) -> torch.Tensor:
     return pooled[:, 0, 0 : nq * block : block]
 
 
+def vertical_slash_scores(
+    query: torch.Tensor, key: torch.Tensor, heads: list[int], scale: float, last_q: int, block: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Vertical and block-diagonal scores of the listed query heads: float32 [S, n] and [S, Q].
+
+    query [n, H, d], key [n, Hkv, d]; KV group by KV group (twin of lastq.last_q_scores_triton).
+    """
+    n, group = query.shape[0], query.shape[1] // key.shape[1]
+    vertical = torch.zeros(len(heads), n, device=query.device)
+    diagonal = torch.zeros(len(heads), -(-n // block), device=query.device)
+    for kv in range(key.shape[1]):
+        rows = [i for i, h in enumerate(heads) if h // group == kv]
+        if rows:
+            v, s = last_q_stats(query[:, [heads[i] for i in rows]], key[:, kv], scale, last_q)
+            vertical[rows] = v
+            diagonal[rows] = block_diagonal_scores(s, block)
+    return vertical, diagonal
+
+
 def top_diagonals(scores: torch.Tensor, budget: list[int], forced: list[int]) -> torch.Tensor:
     """bool [G, Q] cover: the forced[g] nearest block diagonals plus the best, budget[g] in all."""
     nq = scores.shape[1]
@@ -86,15 +116,19 @@ def top_diagonals(scores: torch.Tensor, budget: list[int], forced: list[int]) ->
 
 
 def block_means(x: torch.Tensor, block: int) -> torch.Tensor:
-    """[n, ..., d] -> [Q, ..., d] float32 mean over each block of `block` rows (last one partial)."""
+    """[n, ..., d] -> [Q, ..., d] float32 mean over each block of `block` rows (last one partial).
+
+    Sums in float32 straight from the input dtype (no float32 copy of x: at 512K tokens and 32
+    heads that copy alone would be 8 GiB).
+    """
     n = x.shape[0]
-    nq = -(-n // block)
-    padded = torch.zeros(nq * block, *x.shape[1:], dtype=torch.float32, device=x.device)
-    padded[:n] = x.float()
-    sums = padded.view(nq, block, *x.shape[1:]).sum(1)
-    counts = torch.full((nq,), float(block), device=x.device)
-    counts[-1] = n - (nq - 1) * block
-    return sums / counts.view(nq, *([1] * (x.dim() - 1)))
+    full = n // block
+    parts = []
+    if full:
+        parts.append(x[: full * block].view(full, block, *x.shape[1:]).sum(1, dtype=torch.float32) / block)
+    if n > full * block:
+        parts.append(x[full * block :].sum(0, keepdim=True, dtype=torch.float32) / (n - full * block))
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def block_causal(nq: int, device: torch.device) -> torch.Tensor:
@@ -152,3 +186,53 @@ def force_blocks(scores: torch.Tensor) -> torch.Tensor:
     i = torch.arange(nq, device=scores.device)
     forced = (i[None, :] == i[:, None]) | (i[None, :] == 0)
     return scores.masked_fill(forced & block_causal(nq, scores.device), float("inf"))
+
+
+def held_blocks(cover: torch.Tensor, listed: torch.Tensor | None) -> torch.Tensor:
+    """bool [G, Q, Q]: key blocks a pattern already holds (selected block diagonals, listed blocks)."""
+    nq = cover.shape[-1]
+    i = torch.arange(nq, device=cover.device)
+    held = cover[:, (i[:, None] - i[None, :]).clamp(min=0)]
+    if listed is not None:
+        taken = torch.zeros(*held.shape[:2], nq + 1, dtype=torch.bool, device=cover.device)
+        taken.scatter_(2, torch.where(listed >= 0, listed.long(), nq), True)
+        held |= taken[..., :nq]
+    return held
+
+
+def rescue_blocks(
+    query: torch.Tensor, key: torch.Tensor, heads: list[int], scale: float, block: int, cover: torch.Tensor,
+    listed: torch.Tensor | None, columns: torch.Tensor | None, budget: list[int],
+) -> torch.Tensor:  # fmt: skip
+    """[S, Q, K] rescue key blocks of the listed query heads (twin of pooled.rescue_blocks_triton).
+
+    Per head: the top budget[s] key blocks by pooled-max score (block-mean query against every key
+    but the head's columns), among causal blocks that neither a selected block diagonal (cover
+    [S, Q]) nor a listed block (listed [S, Q, b], -1 = none) holds; -1 padded, K = max(budget).
+    """
+    n, group = query.shape[0], query.shape[1] // key.shape[1]
+    nq = cover.shape[-1]
+    width = max(1, min(nq, max(budget)))
+    out = []
+    for s, h in enumerate(heads):
+        skip = None
+        if columns is not None:
+            skip = torch.zeros(1, n + 1, dtype=torch.bool, device=query.device)
+            skip.scatter_(1, torch.where(columns[s : s + 1] >= 0, columns[s : s + 1].long(), n), True)
+            skip = skip[:, :n]
+        scores = pooled_max_scores(query[:, h : h + 1], key[:, h // group], scale, block, skip)
+        held = held_blocks(cover[s : s + 1], None if listed is None else listed[s : s + 1])
+        picks = top_blocks(scores, [budget[s]], exclude=held)
+        out.append(torch.nn.functional.pad(picks, (0, width - picks.shape[-1]), value=-1))
+    return torch.cat(out)
+
+
+def share_neighbours(picks: torch.Tensor) -> torch.Tensor:
+    """[S, Q, K] -> [S, Q, 3K]: each query block also takes the picks of the blocks around it.
+
+    A run of queries seeking one key rarely aligns with block edges, and an edge block's mean
+    query is diluted by the others in it.
+    """
+    before = torch.nn.functional.pad(picks[:, :-1], (0, 0, 1, 0), value=-1)
+    after = torch.nn.functional.pad(picks[:, 1:], (0, 0, 0, 1), value=-1)
+    return torch.cat([picks, before, after], dim=-1)

@@ -43,6 +43,11 @@ class SparseIndex:
         visited = visited + (self.column_count.sum() / self.block)
         return float(visited) / (causal_blocks * self.diag_cover.shape[0])
 
+    def tiles(self) -> int:
+        """block x block tiles the kernel computes (column chunks of `block` columns count whole)."""
+        chunks = (self.column_count.long() + self.block - 1) // self.block
+        return int(self.diag_count.long().sum() + self.block_count.long().sum() + chunks.sum())
+
 
 def num_blocks(seq_len: int, block: int) -> int:
     """Query (= key) blocks of a sequence."""

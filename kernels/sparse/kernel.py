@@ -18,6 +18,8 @@ import triton.language as tl
 from tgserve.kernels.sparse.index import SparseIndex
 from tgserve.kernels.triton_common import attend_tile, dot_precision, pow2
 
+LAUNCH = {"num_warps": 4, "num_stages": 3}  # Triton's defaults; kernels/bench/profile_sparse.py sweeps
+
 
 @triton.jit
 def _key_block(acc, m_i, l_i, q, rows, j, k_ptrs, v_ptrs, stride_kt, stride_vt, dim_ok, n, sm_scale,
@@ -123,6 +125,6 @@ def sparse_attention_kernel(
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         out.stride(0), out.stride(1), group, head_dim,
         BLOCK=block, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_B=pow2(index.blocks.shape[2], 1),
-        PRECISION=dot_precision(query.dtype),
+        PRECISION=dot_precision(query.dtype), **LAUNCH,
     )  # fmt: skip
     return out

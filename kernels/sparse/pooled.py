@@ -1,11 +1,18 @@
-"""Triton kernel: block-mean queries against every key, max-pooled per key block.
+"""Triton rescue estimation: block-mean queries against every key, max-pooled per key block, and
+the top key blocks a pattern does not hold yet, fused for every head in one launch.
 
-Twin: `estimate.pooled_max_scores`. It feeds the rescue blocks of estimated patterns: a key that
-is salient only to queries in the middle of the prompt (invisible to the last-query estimate) still
-wins its key block for the query blocks that want it. Fused so that the [Q, n] per-key scores are
-never written to memory (at 512K tokens they would be ~17 GB per head); cost is ~1/block of the
-dense QK^T. Grouped-query natively: rows are (query block, head of the group) pairs against the
-group's one KV head.
+Twin: `estimate.rescue_blocks`. A key salient only to queries in the middle of the prompt (the
+blind spot of last-query estimation) still wins its key block for the query blocks that want it.
+Max- rather than mean-pooling the keys keeps a single salient key visible; keys the head already
+holds as columns are left out of the max, and blocks it already holds (selected block diagonals,
+listed blocks) out of the top-k, so a rescue block always adds something.
+
+Nothing quadratic is written to memory: one program per (tile of BLOCK_R query blocks, head)
+walks the causal key blocks and keeps a running top-R per query block in registers (the torch
+twin's [Q, n] scores would be ~17 GB per head at 512K, its [Q, Q] matrix 256 MiB). Cost is the
+QK^T of the block means, 1/(2 * block) of dense causal attention. Programs are issued longest first
+(the last query blocks see the most keys) so that the causal imbalance packs into few waves.
+Grouped-query natively: a head reads the keys of head // group in place.
 """
 
 from __future__ import annotations
@@ -14,60 +21,114 @@ import torch
 import triton
 import triton.language as tl
 
-from tgserve.kernels.sparse.estimate import block_means
+from tgserve.kernels.sparse.estimate import block_means, head_index, host_values
 from tgserve.kernels.triton_common import dot_precision, interpreting
+
+BITS = 16  # listed blocks travel as a bitmap of BITS-bit words per query block
+LAUNCH = {"block_r": 128, "num_warps": 4, "num_stages": 3}  # GPU: fastest of profile_sparse.py sweep
 
 
 @triton.jit
-def _pooled_max_kernel(
-    qm_ptr, k_ptr, skip_ptr, out_ptr, sm_scale, n, num_qb, group, head_dim, stride_kt,
-    BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SKIP: tl.constexpr,
-    PRECISION: tl.constexpr,
+def _rescue_kernel(
+    qm_ptr, k_ptr, head_ptr, skip_ptr, cover_ptr, bits_ptr, val_ptr, idx_ptr,
+    n, num_qb, num_tiles, num_rows, group, head_dim, stride_kt, stride_kh, words,
+    BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, R: tl.constexpr,
+    HAS_SKIP: tl.constexpr, HAS_BITS: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    tile = tl.program_id(0)
-    rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
-    qb = rows // group
-    g = rows % group
+    pid = tl.program_id(0)
+    tile = num_tiles - 1 - pid // num_rows  # longest tiles first, all heads of a tile together
+    row = pid % num_rows
+    kv = tl.load(head_ptr + row) // group
+    qb = tile * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = qb < num_qb
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < head_dim
-    src = (g * num_qb + qb).to(tl.int64)
-    qm = tl.load(qm_ptr + src[:, None] * head_dim + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :],
-                 other=0.0)  # fmt: skip
-    last = tl.minimum(num_qb - 1, ((tile + 1) * BLOCK_R - 1) // group)
+    base = row.to(tl.int64) * num_qb
+    qm = tl.load(qm_ptr + (base + qb)[:, None] * head_dim + dims[None, :],
+                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # fmt: skip
+    k_ptrs = k_ptr + kv.to(tl.int64) * stride_kh + dims[None, :]
+    slots = tl.arange(0, R)
+    best_v = tl.full([BLOCK_R, R], float("-inf"), tl.float32)
+    best_i = tl.full([BLOCK_R, R], -1, tl.int32)
+    last = tl.minimum(num_qb - 1, tile * BLOCK_R + BLOCK_R - 1)
     for j in range(0, last + 1):
         pos = j * BLOCK + tl.arange(0, BLOCK)
         in_seq = pos < n
-        k = tl.load(k_ptr + pos.to(tl.int64)[:, None] * stride_kt + dims[None, :],
-                    mask=in_seq[:, None] & dim_ok[None, :], other=0.0)  # fmt: skip
-        s = tl.dot(qm, tl.trans(k), input_precision=PRECISION) * sm_scale
-        allowed = in_seq[None, :]
+        k = tl.load(k_ptrs + pos.to(tl.int64)[:, None] * stride_kt, mask=in_seq[:, None] & dim_ok[None, :],
+                    other=0.0)  # fmt: skip
+        s = tl.dot(qm, tl.trans(k), input_precision=PRECISION)
+        allowed = in_seq
         if HAS_SKIP:
-            skip = tl.load(skip_ptr + g.to(tl.int64)[:, None] * n + pos[None, :],
-                           mask=row_ok[:, None] & in_seq[None, :], other=1)  # fmt: skip
+            skip = tl.load(skip_ptr + row.to(tl.int64) * n + pos, mask=in_seq, other=1)
             allowed = allowed & (skip == 0)
-        best = tl.max(tl.where(allowed, s, float("-inf")), 1)
-        best = tl.where(j <= qb, best, float("-inf"))
-        tl.store(out_ptr + src * num_qb + j, best, mask=row_ok)
+        score = tl.max(tl.where(allowed[None, :], s, float("-inf")), 1)
+        visible = row_ok & (qb >= j)
+        held = tl.load(cover_ptr + base + qb - j, mask=visible, other=1)
+        if HAS_BITS:
+            word = tl.load(bits_ptr + (base + qb) * words + j // 16, mask=visible, other=0)
+            held = held | ((word >> (j % 16)) & 1).to(tl.int8)
+        score = tl.where(visible & (held == 0), score, float("-inf"))
+        # Running top-R: the new block replaces the weakest kept one if it beats it.
+        weakest = tl.argmin(best_v, 1)
+        hit = (slots[None, :] == weakest[:, None]) & (score > tl.min(best_v, 1))[:, None]
+        best_v = tl.where(hit, score[:, None], best_v)
+        best_i = tl.where(hit, j, best_i)
+    out = (base + qb)[:, None] * R + slots[None, :]
+    tl.store(val_ptr + out, best_v, mask=row_ok[:, None])
+    tl.store(idx_ptr + out, best_i, mask=row_ok[:, None])
 
 
-def pooled_max_scores_triton(
-    q: torch.Tensor, k: torch.Tensor, scale: float, block: int, skip_keys: torch.Tensor | None = None
-) -> torch.Tensor:
-    """[G, Q, Q] float32 for q [n, G, d] against one KV head's keys k [n, d] (causal, -inf above).
+def listed_bitmap(listed: torch.Tensor, nq: int) -> torch.Tensor:
+    """int32 [S, Q, W]: bit (b % 16) of word b // 16 set where key block b is listed (-1 = none)."""
+    words = -(-nq // BITS)
+    ordered = listed.long().sort(-1).values
+    repeated = torch.zeros_like(ordered, dtype=torch.bool)
+    repeated[..., 1:] = ordered[..., 1:] == ordered[..., :-1]
+    valid = (ordered >= 0) & ~repeated
+    word = torch.where(valid, ordered // BITS, words)
+    bit = torch.where(valid, 1 << (ordered.clamp(min=0) % BITS), 0).to(torch.int32)
+    bits = torch.zeros(*listed.shape[:2], words + 1, dtype=torch.int32, device=listed.device)
+    bits.scatter_add_(2, word, bit)  # distinct bits: the sum is the OR
+    return bits[..., :words].contiguous()
 
-    skip_keys: optional bool [G, n], keys left out of the max (already held as columns).
+
+def rescue_blocks_triton(
+    query: torch.Tensor, key: torch.Tensor, heads: list[int], block: int, cover: torch.Tensor,
+    listed: torch.Tensor | None, columns: torch.Tensor | None, budget: list[int],
+) -> torch.Tensor:  # fmt: skip
+    """[S, Q, K] rescue key blocks of the listed query heads; see `estimate.rescue_blocks`.
+
+    query [n, H, d], key [n, Hkv, d]; cover bool [S, Q] selected block diagonals; listed
+    [S, Q, b] listed blocks and columns [S, C] key columns (-1 = none), K = min(Q, max(budget)).
     """
-    n, group, head_dim = q.shape
-    nq = -(-n // block)
-    qm = block_means(q, block).transpose(0, 1).to(k.dtype).contiguous()  # [G, Q, d]
-    out = torch.full((group, nq, nq), float("-inf"), dtype=torch.float32, device=q.device)
-    assert k.stride(1) == 1
-    block_r = 16 if interpreting() else 64
-    skip = out if skip_keys is None else skip_keys.to(torch.int8).contiguous()
-    _pooled_max_kernel[(triton.cdiv(nq * group, block_r),)](
-        qm, k, skip, out, scale, n, nq, group, head_dim, k.stride(0),
-        BLOCK=block, BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(head_dim),
-        HAS_SKIP=skip_keys is not None, PRECISION=dot_precision(k.dtype),
+    n, num_heads, head_dim = query.shape
+    group = num_heads // key.shape[1]
+    nq, rows, device = cover.shape[-1], len(heads), query.device
+    width = max(1, min(nq, max(budget)))
+    top_r = max(2, triton.next_power_of_2(width))
+    qm = block_means(query, block)[:, head_index(heads, device)].transpose(0, 1)  # [S, Q, d]
+    qm = qm.to(key.dtype).contiguous()
+    cover8 = cover.to(torch.int8).contiguous()
+    skip = bits = cover8  # placeholders when absent
+    if columns is not None:
+        skip = torch.zeros(rows, n + 1, dtype=torch.int8, device=device)
+        skip.scatter_(1, torch.where(columns >= 0, columns.long(), n), 1)
+        skip = skip[:, :n].contiguous()
+    if listed is not None:
+        bits = listed_bitmap(listed, nq)
+    values = torch.empty(rows, nq, top_r, dtype=torch.float32, device=device)
+    index = torch.empty(rows, nq, top_r, dtype=torch.int32, device=device)
+    block_r = 16 if interpreting() else LAUNCH["block_r"]
+    tiles = triton.cdiv(nq, block_r)
+    assert key.stride(2) == 1
+    _rescue_kernel[(tiles * rows,)](
+        qm, key, host_values(heads, device), skip, cover8, bits, values, index,
+        n, nq, tiles, rows, group, head_dim, key.stride(0), key.stride(1), -(-nq // BITS),
+        BLOCK=block, BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(head_dim), R=top_r,
+        HAS_SKIP=columns is not None, HAS_BITS=listed is not None, PRECISION=dot_precision(key.dtype),
+        num_warps=4 if interpreting() else LAUNCH["num_warps"], num_stages=LAUNCH["num_stages"],
     )  # fmt: skip
-    return out
+    top = torch.topk(values, width, dim=-1)
+    limit = host_values(budget, device)[:, None, None]
+    keep = (top.values > float("-inf")) & (torch.arange(width, device=device) < limit)
+    return torch.where(keep, index.gather(-1, top.indices), -1)

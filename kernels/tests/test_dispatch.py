@@ -13,10 +13,15 @@ from tgserve.kernels.sparse.config import HeadPattern, SparseConfig
 from tgserve.kernels.testing import make_paged_batch
 
 
-def test_importing_dispatch_does_not_import_triton():
-    """Backends import dispatch on CPU too; Triton must stay unloaded until a CUDA call."""
+def test_importing_dispatch_does_not_import_triton(tmp_path):
+    """Backends import dispatch on CPU too; Triton must stay unloaded until a CUDA call.
+
+    Run outside the checkout: `-c` puts the working directory first on sys.path, where the bare
+    tgserve/ folder would shadow an installed (or PYTHONPATH) tgserve that maps kernels/.
+    """
     code = "import sys, tgserve.kernels.dispatch; print('triton' in sys.modules)"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                            cwd=tmp_path)  # fmt: skip
     assert result.stdout.strip() == "False"
 
 

@@ -53,8 +53,9 @@ def test_paged_prefill_gpu(dtype, heads, window, softcap):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("lens", [[4096], [100, 2000, 1, 777]])
+@pytest.mark.parametrize("lens", [[4096], [100, 2000, 1, 777], [3000, 100, 2048, 1, 40]])
 def test_dense_prefill_gpu(dtype, lens):
+    """One sequence and long ones take SDPA (cuDNN first), short ones the Triton varlen kernel."""
     gen = torch.Generator(device="cuda").manual_seed(3)
     total = sum(lens)
     q = torch.randn(total, 32, 128, device="cuda", generator=gen, dtype=dtype)
@@ -62,7 +63,8 @@ def test_dense_prefill_gpu(dtype, lens):
     cu = torch.tensor([0, *lens], device="cuda").cumsum(0).to(torch.int32)
     exact = reference.varlen_attention(q, k, v, cu, 0.088)
     low = reference.varlen_attention(q, k, v, cu, 0.088, upcast=False)
-    _flash_rule(dispatch.dense_prefill(q, k, v, cu, max(lens), 0.088), exact, low)
+    cu_cpu = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    _flash_rule(dispatch.dense_prefill(q, k, v, cu, max(lens), 0.088, cu_seqlens_cpu=cu_cpu), exact, low)
     from tgserve.kernels.paged_prefill import varlen_prefill
 
     _flash_rule(varlen_prefill(q, k, v, cu, 0.088), exact, low)

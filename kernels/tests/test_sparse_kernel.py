@@ -11,7 +11,8 @@ from tgserve.kernels.sparse.attention import estimate_index, sparse_prefill
 from tgserve.kernels.sparse.config import HeadPattern
 from tgserve.kernels.sparse.index import build_index, index_to_mask
 from tgserve.kernels.sparse.kernel import sparse_attention_kernel
-from tgserve.kernels.sparse.pooled import pooled_max_scores_triton
+from tgserve.kernels.sparse.lastq import last_q_scores_triton
+from tgserve.kernels.sparse.pooled import rescue_blocks_triton
 from tgserve.kernels.testing import max_abs_err
 
 ATOL = {torch.float32: 2e-5, torch.float16: 4e-3}
@@ -55,18 +56,42 @@ def test_sparse_kernel_head_dims(device, head_dim):
     assert max_abs_err(got.cpu(), want) <= ATOL[torch.float16]
 
 
-@pytest.mark.parametrize("skip", [False, True])
-def test_pooled_max_triton_matches_torch(device, skip):
-    n, block = 70, 16
-    q, k, _ = _qkv(n, 4, 1, 32, torch.float32, seed=5)
-    skip_keys = (torch.rand(4, n, generator=torch.Generator().manual_seed(1)) < 0.3) if skip else None
-    want = estimate.pooled_max_scores(q, k[:, 0], 0.3, block, skip_keys)
-    got = pooled_max_scores_triton(q.to(device), k[:, 0].to(device), 0.3, block,
-                                   None if skip_keys is None else skip_keys.to(device))  # fmt: skip
-    assert torch.equal(torch.isinf(got.cpu()), torch.isinf(want))
-    torch.testing.assert_close(
-        got.cpu().nan_to_num(neginf=0.0), want.nan_to_num(neginf=0.0), atol=1e-4, rtol=1e-4
-    )
+@pytest.mark.parametrize("n,block,last_q", [(150, 16, 16), (200, 32, 64), (37, 16, 64)])
+def test_last_q_scores_triton_match_torch(device, n, block, last_q):
+    """Vertical and block-diagonal scores of a head subset, ragged lengths, last_q > n."""
+    q, k, _ = _qkv(n, 8, 2, 32, torch.float32, seed=n)
+    heads = [0, 1, 3, 5, 6]
+    want = estimate.vertical_slash_scores(q, k, heads, 0.3, last_q, block)
+    got = last_q_scores_triton(q.to(device), k.to(device), heads, 0.3, last_q, block)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.cpu(), w, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("held", [False, True])
+@pytest.mark.parametrize("budget", [[2, 2, 2, 2, 2], [1, 3, 2, 5, 1]])
+def test_rescue_blocks_triton_match_torch(device, held, budget):
+    """Top pooled-max blocks outside the held diagonals, listed blocks and column keys."""
+    n, block = 150, 16
+    q, k, _ = _qkv(n, 8, 2, 32, torch.float32, seed=7)
+    gen = torch.Generator().manual_seed(3)
+    heads, nq = [0, 1, 3, 5, 6], -(-n // block)
+    cover = torch.rand(5, nq, generator=gen) < 0.3
+    listed = torch.randint(-1, nq, (5, nq, 3), generator=gen) if held else None
+    columns = torch.randint(-1, n, (5, 7), generator=gen) if held else None
+    want = estimate.rescue_blocks(q, k, heads, 0.3, block, cover, listed, columns, budget)
+    moved = [None if x is None else x.to(device) for x in (cover, listed, columns)]
+    got = rescue_blocks_triton(q.to(device), k.to(device), heads, block, *moved, budget)
+    assert torch.equal(got.cpu().sort(-1).values, want.sort(-1).values)
+
+
+def test_triton_estimation_gives_the_torch_index(device):
+    """The whole estimation, mixed per-head patterns: Triton and torch build the same mask."""
+    n, block = 150, 16
+    q, k, _ = _qkv(n, 8, 2, 32, torch.float32, seed=11)
+    patterns = [MIXED[h % len(MIXED)] for h in range(8)]
+    want = index_to_mask(estimate_index(q, k, 0.2, patterns, block, last_q=16))
+    got = estimate_index(q.to(device), k.to(device), 0.2, patterns, block, last_q=16, use_triton=True)
+    assert torch.equal(index_to_mask(got).cpu(), want)
 
 
 def test_index_sources_are_a_union_without_double_counting(device):
