@@ -7,7 +7,7 @@ PIP       := $(PY) -m pip
 CONSTRAINTS ?= constraints/cpu.txt
 STAMP     := $(VENV)/.installed
 
-.PHONY: install test test-unit lint run bench clean
+.PHONY: install test test-unit lint run bench clean docker-cuda docker-gaudi
 
 install: $(STAMP)
 
@@ -25,12 +25,25 @@ test: install
 lint: install
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(VENV)/bin/hadolint Dockerfile.cuda Dockerfile.gaudi
 
 run: install
 	$(VENV)/bin/tgserve serve --hostname 127.0.0.1 --port 8080
 
 bench: install
 	$(PY) benchmarks/engine_cpu.py --out docs/benchmarks
+
+# The images lint clean with hadolint (from the dev extra) before they are built.
+IMAGE ?= tgserve
+docker-cuda: install
+	$(VENV)/bin/hadolint Dockerfile.cuda
+	@command -v docker >/dev/null || { echo "docker-cuda: no Docker engine here"; exit 1; }
+	docker build -f Dockerfile.cuda -t $(IMAGE):cuda .
+
+docker-gaudi: install
+	$(VENV)/bin/hadolint Dockerfile.gaudi
+	@command -v docker >/dev/null || { echo "docker-gaudi: no Docker engine here"; exit 1; }
+	docker build -f Dockerfile.gaudi -t $(IMAGE):gaudi .
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info

@@ -9,9 +9,13 @@ import sys
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tgserve", description="Text-generation inference server")
     sub = parser.add_subparsers(dest="command", required=True)
+    from tgserve.router.bench.cli import add_bench_command
+    from tgserve.router.launcher import add_serve_command
     from tgserve.server.cli_generate import add_generate_command
 
     add_generate_command(sub)
+    add_serve_command(sub)
+    add_bench_command(sub)
     return parser
 
 

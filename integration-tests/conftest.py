@@ -1,0 +1,120 @@
+"""The real `tgserve serve` process on a free loopback port, for tests that drive it with real clients.
+
+Servers are expensive (a model load each), so each is shared: `tiny_server` by the whole session,
+`smol_server` by its module; tests that must kill one start their own with `start_server`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+STARTUP_TIMEOUT_S = 600  # a cold SmolLM2 load on two busy cores
+API_KEY = "integration-secret"
+TINY_ARGS = ["--max-input-tokens", "64", "--max-total-tokens", "256", "--api-key", API_KEY]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m tgserve serve ...` with its output in a log file."""
+
+    def __init__(self, args: list[str], log_path: Path, api_key: str | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        self.log_path = log_path
+        command = [
+            sys.executable,
+            "-m",
+            "tgserve",
+            "serve",
+            "--hostname",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+        ]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.pop("API_KEY", None)
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(command + args, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> ServerProcess:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"server not ready after {timeout_s}s:\n{self.log_tail()}")
+
+    def engine_pid(self) -> int:
+        """The launcher's one child process is the engine."""
+        path = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children")
+        children = [int(pid) for pid in path.read_text().split()]
+        assert len(children) == 1, f"expected one engine process, found {children}"
+        return children[0]
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+
+
+@pytest.fixture(scope="session")
+def start_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """A factory: start_server(args, api_key=None) -> a ready ServerProcess, stopped at session end."""
+    servers: list[ServerProcess] = []
+
+    def start(args: list[str], api_key: str | None = None, name: str = "server") -> ServerProcess:
+        log = tmp_path_factory.mktemp(name) / "server.log"
+        server = ServerProcess(args, log, api_key)
+        servers.append(server)
+        return server.wait_ready()
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> str:
+    from tgserve.server.testing.fixtures import fixture_path
+
+    return str(fixture_path("llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_server(start_server, tiny_model: str) -> ServerProcess:
+    """The tiny random Llama, with an API key and small token limits (bad-input tests use them)."""
+    return start_server(["--model-id", tiny_model, *TINY_ARGS], api_key=API_KEY, name="tiny")

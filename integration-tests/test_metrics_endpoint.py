@@ -1,0 +1,54 @@
+"""/metrics parses with Prometheus' own text parser and carries every promised name."""
+
+from __future__ import annotations
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+EXPECTED = {
+    "tgi_request_count",
+    "tgi_request_success",
+    "tgi_request_failure",
+    "tgi_request_duration",
+    "tgi_request_queue_duration",
+    "tgi_request_validation_duration",
+    "tgi_request_inference_duration",
+    "tgi_request_mean_time_per_token_duration",
+    "tgi_request_generated_tokens",
+    "tgi_request_input_length",
+    "tgi_batch_current_size",
+    "tgi_batch_current_max_tokens",
+    "tgi_queue_size",
+    "tgserve_time_to_first_token_seconds",
+    "tgserve_inter_token_latency_seconds",
+    "tgserve_kv_cache_usage_ratio",
+    "tgserve_preemptions",
+    "tgserve_prefix_cache_hit_rate",
+    "tgserve_prefix_cache_hits",
+}
+
+
+def test_metrics_parse_and_carry_every_name(tiny_server):
+    for _ in range(2):  # the second identical prompt can hit the prefix cache
+        response = httpx.post(
+            f"{tiny_server.url}/generate",
+            json={
+                "inputs": "The year has twelve months and about 365 days. " * 2,
+                "parameters": {"max_new_tokens": 4},
+            },
+            headers=tiny_server.headers,
+            timeout=30,
+        )
+        assert response.status_code == 200
+    httpx.post(f"{tiny_server.url}/generate", content=b"{", headers=tiny_server.headers, timeout=30)
+    text = httpx.get(f"{tiny_server.url}/metrics", timeout=10).text  # open without the API key
+    families = {family.name: family for family in text_string_to_metric_families(text)}
+    assert EXPECTED <= set(families)
+    success = families["tgi_request_success"].samples[0].value
+    assert success >= 2
+    failures = {s.labels.get("err") for s in families["tgi_request_failure"].samples}
+    assert "validation" in failures
+    ttft_count = [
+        s for s in families["tgserve_time_to_first_token_seconds"].samples if s.name.endswith("_count")
+    ]
+    assert ttft_count[0].value >= 2

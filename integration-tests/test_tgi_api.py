@@ -1,0 +1,48 @@
+"""huggingface_hub's InferenceClient against the TGI routes: details, streaming, best_of."""
+
+from __future__ import annotations
+
+import pytest
+from huggingface_hub import InferenceClient
+
+
+@pytest.fixture(scope="module")
+def client(tiny_server):
+    return InferenceClient(model=tiny_server.url, token=tiny_server.api_key)
+
+
+def test_text_generation_with_details(client):
+    output = client.text_generation("The capital of France is", max_new_tokens=10, details=True)
+    assert output.details.generated_tokens == len(output.details.tokens) > 0
+    assert output.details.finish_reason in ("length", "eos_token")
+    assert all(token.logprob is not None for token in output.details.tokens)
+    assert output.generated_text == client.text_generation("The capital of France is", max_new_tokens=10)
+
+
+def test_streaming_with_details(client):
+    events = list(client.text_generation("Hello!", max_new_tokens=10, stream=True, details=True))
+    assert all(event.generated_text is None for event in events[:-1])
+    last = events[-1]
+    assert last.details.generated_tokens == len(events)
+    whole = client.text_generation("Hello!", max_new_tokens=10)
+    assert last.generated_text == whole
+    assert "".join(e.token.text for e in events if not e.token.special) == whole
+
+
+def test_best_of_and_top_n_tokens(client):
+    output = client.text_generation(
+        "Once upon a time", max_new_tokens=6, details=True, best_of=2, do_sample=True, seed=3, top_n_tokens=2
+    )
+    assert len(output.details.best_of_sequences) == 1
+    assert all(len(top) == 2 for top in output.details.top_tokens)
+
+
+def test_return_full_text_and_stop(client):
+    whole = client.text_generation("Water boils at", max_new_tokens=8)
+    full = client.text_generation("Water boils at", max_new_tokens=8, return_full_text=True)
+    assert full == "Water boils at" + whole
+    if len(whole) > 3:
+        stop = whole[2:4]
+        cut = client.text_generation("Water boils at", max_new_tokens=8, stop=[stop], details=True)
+        assert cut.generated_text == whole[: whole.index(stop) + len(stop)]  # TGI keeps the stop sequence
+        assert cut.details.finish_reason == "stop_sequence"

@@ -1,0 +1,151 @@
+"""Prometheus metrics: TGI's names, plus what TGI lacks (TTFT, ITL, KV usage, preemptions, prefix cache).
+
+Request metrics are recorded by the router as requests run. Engine metrics are read at scrape time
+from the last `EngineStats` the engine pushed, through a custom collector, so they cost nothing
+between scrapes. Each app gets its own registry (tests build several apps in one process).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from tgserve.server.outputs import EngineStats
+
+DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+)
+TOKEN_BUCKETS = tuple(float(2**i) for i in range(15))  # 1 .. 16384
+
+StatsSource = Callable[[], tuple[EngineStats | None, int]]  # (latest stats, block size)
+
+
+class EngineStatsCollector(Collector):
+    """Engine gauges and counters from the latest `EngineStats` (zeros until the engine reports)."""
+
+    def __init__(self, source: StatsSource):
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        stats, block_size = self.source()
+        stats = stats or EngineStats(0, 0, 0, 0, 0, 0, 0)
+        used_blocks = stats.num_total_blocks - stats.num_free_blocks
+        hit_rate = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
+        yield _gauge("tgi_batch_current_size", "Requests running in the engine", stats.num_running)
+        yield _gauge("tgi_queue_size", "Requests waiting in the engine's queue", stats.num_waiting)
+        yield _gauge(
+            "tgi_batch_current_max_tokens",
+            "Tokens the running batch holds in the KV cache",
+            used_blocks * block_size,
+        )
+        yield _gauge(
+            "tgserve_kv_cache_usage_ratio", "Fraction of KV cache blocks in use", stats.kv_cache_usage
+        )
+        yield _gauge("tgserve_kv_cache_free_blocks", "Free KV cache blocks", stats.num_free_blocks)
+        yield _gauge("tgserve_kv_cache_total_blocks", "KV cache blocks in the pool", stats.num_total_blocks)
+        yield _gauge(
+            "tgserve_engine_step_tokens", "Tokens computed in the engine's last step", stats.step_num_tokens
+        )
+        yield _gauge("tgserve_engine_step_seqs", "Requests in the engine's last step", stats.step_num_seqs)
+        yield _counter(
+            "tgserve_preemptions", "Requests preempted for lack of KV blocks", stats.num_preemptions
+        )
+        yield _counter(
+            "tgserve_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache",
+            stats.prefix_cache_queries,
+        )
+        yield _counter(
+            "tgserve_prefix_cache_hits", "Prompt tokens found in the prefix cache", stats.prefix_cache_hits
+        )
+        yield _gauge("tgserve_prefix_cache_hit_rate", "Prefix-cache hits / queries since start", hit_rate)
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, value=value)
+
+
+def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, documentation, value=value)
+
+
+class RouterMetrics:
+    """Every metric the router exposes, in one registry."""
+
+    def __init__(self, stats_source: StatsSource):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.request_count = Counter("tgi_request_count", "Generation requests received", registry=r)
+        self.request_success = Counter(
+            "tgi_request_success", "Generation requests that succeeded", registry=r
+        )
+        self.request_failure = Counter(
+            "tgi_request_failure", "Generation requests that failed, by error kind", ["err"], registry=r
+        )
+        self.request_duration = _histogram("tgi_request_duration", "End-to-end request latency (s)", r)
+        self.queue_duration = _histogram(
+            "tgi_request_queue_duration", "Time from submission to the engine until the first token (s)", r
+        )
+        self.validation_duration = _histogram(
+            "tgi_request_validation_duration",
+            "Time to validate and tokenize a request (s)",
+            r,
+            LATENCY_BUCKETS,
+        )
+        self.inference_duration = _histogram(
+            "tgi_request_inference_duration", "Time from the first token to the last (s)", r
+        )
+        self.mean_time_per_token = _histogram(
+            "tgi_request_mean_time_per_token_duration",
+            "Mean time per generated token (s)",
+            r,
+            LATENCY_BUCKETS,
+        )
+        self.generated_tokens = _histogram(
+            "tgi_request_generated_tokens", "Generated tokens per request", r, TOKEN_BUCKETS
+        )
+        self.input_length = _histogram(
+            "tgi_request_input_length", "Prompt tokens per request", r, TOKEN_BUCKETS
+        )
+        self.time_to_first_token = _histogram(
+            "tgserve_time_to_first_token_seconds", "Time to first token (s)", r, DURATION_BUCKETS
+        )
+        self.inter_token_latency = _histogram(
+            "tgserve_inter_token_latency_seconds",
+            "Time between two tokens of a sequence (s)",
+            r,
+            LATENCY_BUCKETS,
+        )
+        self.in_flight = Gauge(
+            "tgserve_requests_in_flight", "HTTP generation requests being served", registry=r
+        )
+        r.register(EngineStatsCollector(stats_source))
+
+    def render(self) -> bytes:
+        """The text exposition format."""
+        return generate_latest(self.registry)
+
+
+def _histogram(
+    name: str, documentation: str, registry: CollectorRegistry, buckets: tuple[float, ...] = DURATION_BUCKETS
+) -> Histogram:
+    return Histogram(name, documentation, registry=registry, buckets=buckets)

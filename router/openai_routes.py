@@ -1,0 +1,209 @@
+"""OpenAI's routes: GET /v1/models, POST /v1/completions and /v1/chat/completions (JSON or SSE)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from tgserve.router import openai_format as fmt
+from tgserve.router.errors import RouterError, ValidationError
+from tgserve.router.generation import Generation
+from tgserve.router.http import EventStreamResponse, parse_json, sse, until_disconnected
+from tgserve.router.openai_schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    openai_knobs,
+    template_messages,
+)
+from tgserve.router.state import RouterState, router_state, start_generation
+from tgserve.router.validation import GenerationSpec, build_spec
+
+router = APIRouter()
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    state = router_state(request)
+    model = {
+        "id": state.model_name,
+        "object": "model",
+        "created": int(state.started_at),
+        "owned_by": "tgserve",
+        "max_model_len": state.config.total_limit,
+    }
+    return {"object": "list", "data": [model]}
+
+
+# ---- /v1/completions -------------------------------------------------------------------------
+
+
+def completion_prompts(state: RouterState, prompt: Any) -> list[list[int]]:
+    """A string, a list of strings, a list of token ids, or a list of lists of token ids."""
+    if isinstance(prompt, str):
+        return [state.tokenizer.encode(prompt)]
+    if not prompt:
+        raise ValidationError("`prompt` is an empty list", param="prompt")
+    if isinstance(prompt[0], int):
+        return [list(prompt)]
+    if isinstance(prompt[0], str):
+        return [state.tokenizer.encode(p) for p in prompt]
+    return [list(p) for p in prompt]
+
+
+def completion_specs(state: RouterState, request: CompletionRequest) -> list[GenerationSpec]:
+    if request.suffix:
+        raise ValidationError("`suffix` (insertion) is not supported by this server", param="suffix")
+    prompts = completion_prompts(state, request.prompt)
+    if len(prompts) > state.config.max_client_batch_size:
+        raise ValidationError(
+            f"{len(prompts)} prompts given, more than --max-client-batch-size={state.config.max_client_batch_size}",
+            param="prompt",
+        )
+    best_of = request.best_of or request.n
+    if best_of < request.n:
+        raise ValidationError(f"best_of ({best_of}) must be >= n ({request.n})", param="best_of")
+    if best_of > request.n:
+        if request.stream:
+            raise ValidationError("best_of > n cannot be used with stream", param="best_of")
+        if best_of > state.config.max_best_of:
+            raise ValidationError(
+                f"best_of is {best_of}, more than --max-best-of={state.config.max_best_of}", param="best_of"
+            )
+    # best_of ranks sequences by log-probability, so it needs them even when the client does not.
+    logprobs = request.logprobs if request.logprobs is not None else (0 if best_of > request.n else None)
+    knobs = openai_knobs(request, state.config, request.max_tokens, logprobs, best_of)
+    return [build_spec(state.config, state.tokenizer, ids, knobs, include_stop=False) for ids in prompts]
+
+
+def completion_body(state: RouterState, request: CompletionRequest, generation: Generation) -> dict[str, Any]:
+    body = fmt.envelope("text_completion", fmt.new_id("cmpl"), state.model_name)
+    choices = []
+    for prompt_index, spec in enumerate(generation.specs):
+        prefix = state.tokenizer.decode(spec.prompt_token_ids) if request.echo else ""
+        for seq_index, seq in enumerate(fmt.best_sequences(generation, prompt_index, request.n)):
+            logprobs = None
+            if request.logprobs is not None:
+                echoed = spec.prompt_token_ids if request.echo else None
+                logprobs = fmt.completion_logprobs(state.tokenizer, seq.tokens, 0, echoed)
+            index = prompt_index * request.n + seq_index
+            choices.append(fmt.completion_choice(index, prefix + seq.text, logprobs, seq.finish_reason))
+    body["choices"] = choices
+    body["usage"] = fmt.usage(generation)
+    return body
+
+
+async def completion_events(
+    state: RouterState, request: CompletionRequest, generation: Generation
+) -> AsyncIterator[bytes]:
+    head = fmt.envelope("text_completion", fmt.new_id("cmpl"), state.model_name)
+    include_usage = bool(request.stream_options and request.stream_options.include_usage)
+    offsets: dict[int, int] = {}  # choice index -> text offset so far
+    try:
+        async for prompt_index, delta in generation.deltas():
+            index = prompt_index * request.n + delta.index
+            text = delta.text
+            if index not in offsets and request.echo:
+                text = state.tokenizer.decode(generation.specs[prompt_index].prompt_token_ids) + text
+            offset = offsets.get(index, 0)
+            offsets[index] = offset + len(text)
+            logprobs = None
+            if request.logprobs is not None and delta.tokens:
+                logprobs = fmt.completion_logprobs(state.tokenizer, delta.tokens, offset)
+            if not text and logprobs is None and delta.finish_reason is None:
+                continue
+            chunk = {**head, "choices": [fmt.completion_choice(index, text, logprobs, delta.finish_reason)]}
+            if include_usage:
+                chunk["usage"] = None
+            yield sse(chunk)
+        if include_usage:
+            yield sse({**head, "choices": [], "usage": fmt.usage(generation)})
+    except RouterError as exc:
+        yield sse(exc.openai_body())
+    yield sse("[DONE]")
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    state = router_state(request)
+    parsed: list[CompletionRequest] = []
+
+    def build(body: bytes) -> list[GenerationSpec]:
+        parsed.append(parse_json(CompletionRequest, body))
+        return completion_specs(state, parsed[0])
+
+    generation = await start_generation(request, build)
+    if parsed[0].stream:
+        return EventStreamResponse(completion_events(state, parsed[0], generation), generation.close)
+    await until_disconnected(request, state.generator.run(generation))
+    return JSONResponse(completion_body(state, parsed[0], generation))
+
+
+# ---- /v1/chat/completions --------------------------------------------------------------------
+
+
+def chat_specs(state: RouterState, request: ChatCompletionRequest) -> list[GenerationSpec]:
+    prompt_ids = state.tokenizer.encode_chat(template_messages(request))
+    max_tokens = request.max_completion_tokens or request.max_tokens
+    logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    if request.top_logprobs and not request.logprobs:
+        raise ValidationError("top_logprobs needs logprobs=true", param="top_logprobs")
+    knobs = openai_knobs(request, state.config, max_tokens, logprobs, request.n)
+    return [build_spec(state.config, state.tokenizer, prompt_ids, knobs, include_stop=False)]
+
+
+def chat_body(state: RouterState, request: ChatCompletionRequest, generation: Generation) -> dict[str, Any]:
+    body = fmt.envelope("chat.completion", fmt.new_id("chatcmpl"), state.model_name)
+    choices = []
+    for seq in generation.sequences:
+        logprobs = fmt.chat_logprobs(state.tokenizer, seq.tokens) if request.logprobs else None
+        choices.append(fmt.chat_choice(seq.index, seq.text, logprobs, seq.finish_reason))
+    body["choices"] = choices
+    body["usage"] = fmt.usage(generation)
+    return body
+
+
+async def chat_events(
+    state: RouterState, request: ChatCompletionRequest, generation: Generation
+) -> AsyncIterator[bytes]:
+    head = fmt.envelope("chat.completion.chunk", fmt.new_id("chatcmpl"), state.model_name)
+    include_usage = bool(request.stream_options and request.stream_options.include_usage)
+
+    def chunk(choices: list[dict[str, Any]]) -> bytes:
+        return sse({**head, "choices": choices, **({"usage": None} if include_usage else {})})
+
+    try:
+        # The role comes first, once per choice, as OpenAI sends it.
+        for seq in generation.sequences:
+            yield chunk([fmt.chat_chunk_choice(seq.index, {"role": "assistant", "content": ""}, None, None)])
+        async for _, delta in generation.deltas():
+            logprobs = None
+            if request.logprobs and delta.tokens:
+                logprobs = fmt.chat_logprobs(state.tokenizer, delta.tokens)
+            if not delta.text and logprobs is None and delta.finish_reason is None:
+                continue
+            content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
+            yield chunk([fmt.chat_chunk_choice(delta.index, content, logprobs, delta.finish_reason)])
+        if include_usage:
+            yield sse({**head, "choices": [], "usage": fmt.usage(generation)})
+    except RouterError as exc:
+        yield sse(exc.openai_body())
+    yield sse("[DONE]")
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    state = router_state(request)
+    parsed: list[ChatCompletionRequest] = []
+
+    def build(body: bytes) -> list[GenerationSpec]:
+        parsed.append(parse_json(ChatCompletionRequest, body))
+        return chat_specs(state, parsed[0])
+
+    generation = await start_generation(request, build)
+    if parsed[0].stream:
+        return EventStreamResponse(chat_events(state, parsed[0], generation), generation.close)
+    await until_disconnected(request, state.generator.run(generation))
+    return JSONResponse(chat_body(state, parsed[0], generation))

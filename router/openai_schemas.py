@@ -1,0 +1,154 @@
+"""OpenAI's request shapes (with vLLM's common extensions) and their translation into `Knobs`."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tgserve.router.config import RouterConfig
+from tgserve.router.errors import ValidationError
+from tgserve.router.validation import Knobs
+
+# Unknown fields are ignored (OpenAI clients send many); known ones are type-checked strictly.
+STRICT = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(BaseModel):
+    model_config = STRICT
+
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model_config = STRICT
+
+    model: str | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    user: str | None = None
+    # vLLM's extensions, used by its benchmark client among others.
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0)
+    echo: bool = False
+    best_of: int | None = Field(default=None, ge=1)
+    suffix: str | None = None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+def logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI keys token ids as strings and bounds each bias to [-100, 100]."""
+    result: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        try:
+            token_id = int(key)
+        except ValueError as exc:
+            raise ValidationError(f"logit_bias key {key!r} is not a token id", param="logit_bias") from exc
+        if not -100.0 <= value <= 100.0:
+            raise ValidationError(
+                f"logit_bias values must be in [-100, 100], got {value}", param="logit_bias"
+            )
+        result[token_id] = value
+    return result
+
+
+def openai_knobs(
+    request: SamplingFields, config: RouterConfig, max_tokens: int | None, logprobs: int | None, n: int
+) -> Knobs:
+    """Translate the shared fields; `n` here is the number of engine requests per prompt."""
+    if n > config.max_n:
+        raise ValidationError(f"n is {n}, more than the server's limit of {config.max_n}", param="n")
+    temperature = 1.0 if request.temperature is None else request.temperature
+    return Knobs(
+        max_new_tokens=max_tokens,
+        temperature=temperature,
+        top_k=max(0, request.top_k or 0),  # vLLM's -1 means "off", like 0
+        top_p=1.0 if request.top_p is None else request.top_p,
+        min_p=request.min_p or 0.0,
+        repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+        frequency_penalty=request.frequency_penalty or 0.0,
+        presence_penalty=request.presence_penalty or 0.0,
+        seed=request.seed,
+        stop=stop_strings(request.stop),
+        stop_token_ids=tuple(request.stop_token_ids or ()),
+        ignore_eos=request.ignore_eos,
+        logprobs=logprobs,
+        logit_bias=logit_bias(request.logit_bias),
+        n=n,
+    )
+
+
+def message_text(message: ChatMessage) -> str:
+    """Text content only: this server serves text models."""
+    if message.content is None or isinstance(message.content, str):
+        return message.content or ""
+    texts = []
+    for part in message.content:
+        if part.type != "text" or part.text is None:
+            raise ValidationError(f"message content of type {part.type!r} is not supported", param="messages")
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def template_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """Messages as the chat template expects them."""
+    if request.tools:
+        raise ValidationError("`tools` (function calling) is not supported by this server", param="tools")
+    if request.response_format and request.response_format.get("type") not in (None, "text"):
+        raise ValidationError("only response_format type 'text' is supported", param="response_format")
+    messages = []
+    for message in request.messages:
+        item: dict[str, Any] = {"role": message.role, "content": message_text(message)}
+        if message.name:
+            item["name"] = message.name
+        messages.append(item)
+    return messages

@@ -1,0 +1,176 @@
+"""`tgserve serve`'s flags: TGI's names, each also read from its environment variable.
+
+This module and the rest of the CLI are the only places that read the environment. A flag given on
+the command line wins over its variable, which wins over the default (as TGI's launcher does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tgserve.router.config import RouterConfig
+
+TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
+FALSE_WORDS = frozenset({"0", "false", "no", "off", ""})
+
+
+def parse_bool(text: str) -> bool:
+    word = text.strip().lower()
+    if word in TRUE_WORDS:
+        return True
+    if word in FALSE_WORDS:
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One option: --name, its variable, type and default. aliases are older TGI spellings."""
+
+    name: str
+    kind: Callable[[str], Any]
+    default: Any
+    help: str
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def dest(self) -> str:
+        return self.name.replace("-", "_")
+
+    @property
+    def env(self) -> str:
+        return self.name.replace("-", "_").upper()
+
+
+FLAGS: tuple[Flag, ...] = (
+    Flag("model-id", str, None, "Hub id, local directory or .gguf file (default: SmolLM2-135M-Instruct)"),
+    Flag("revision", str, None, "Hub revision (branch, tag or commit) of the model"),
+    Flag("dtype", str, "auto", "Weights and activations dtype: auto, float32, float16, bfloat16"),
+    Flag("device", str, "auto", "auto, cpu, cuda or hpu"),
+    Flag("hostname", str, "0.0.0.0", "Address to listen on"),
+    Flag("port", int, 3000, "Port to listen on"),
+    Flag("num-shard", int, None, "Tensor-parallel shards (GPUs or HPUs)"),
+    Flag("trust-remote-code", parse_bool, False, "Run modeling code shipped with the model (off by default)"),
+    Flag(
+        "allow-pickle-weights",
+        parse_bool,
+        False,
+        "Load .bin/.pt pickle weights (they can run code; off by default)",
+    ),
+    Flag("max-concurrent-requests", int, 128, "Requests served at once; more are refused with 429"),
+    Flag("max-best-of", int, 2, "Largest `best_of`"),
+    Flag("max-stop-sequences", int, 4, "Most stop sequences per request"),
+    Flag("max-top-n-tokens", int, 5, "Largest `top_n_tokens` / `logprobs`"),
+    Flag(
+        "max-input-tokens", int, None, "Longest prompt (default: max-total-tokens - 1)", ("max-input-length",)
+    ),
+    Flag("max-total-tokens", int, None, "Longest prompt + generation (default: the model's length)"),
+    Flag("max-batch-prefill-tokens", int, None, "Token budget of one engine step (prefill chunk size)"),
+    Flag("max-batch-total-tokens", int, None, "Tokens of KV cache (default: sized from free memory)"),
+    Flag("max-batch-size", int, None, "Requests running in the engine at once"),
+    Flag("max-client-batch-size", int, 4, "Most prompts in one /v1/completions request"),
+    Flag("payload-limit", int, 2_000_000, "Largest request body, in bytes"),
+    Flag(
+        "api-key",
+        str,
+        None,
+        "Require `Authorization: Bearer <key>` on every route but /health, /ping, /metrics",
+    ),
+    Flag("block-size", int, 16, "Tokens per KV cache block"),
+    Flag("prefix-caching", parse_bool, True, "Reuse the KV cache of shared prompt prefixes"),
+    Flag("served-model-name", str, None, "Model name reported by /v1/models (default: the model id)"),
+    Flag("cors-allow-origin", str, None, "Comma-separated origins allowed by CORS"),
+    Flag("huggingface-hub-cache", str, None, "Hub cache directory (default: $HF_HOME/hub)"),
+    Flag("health-timeout", float, 5.0, "Seconds /health waits for the engine loop to answer"),
+    Flag("log-level", str, "info", "debug, info, warning or error"),
+)
+
+
+def add_serve_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
+    """Every flag, defaulting to its environment variable when that is set."""
+    env = os.environ if environ is None else environ
+    for flag in FLAGS:
+        default = flag.default
+        for name in (flag.name, *flag.aliases):
+            variable = name.replace("-", "_").upper()
+            if variable in env:
+                default = flag.kind(env[variable])
+                break
+        options = [f"--{flag.name}", *(f"--{alias}" for alias in flag.aliases)]
+        if flag.kind is parse_bool:
+            parser.add_argument(
+                *options,
+                dest=flag.dest,
+                type=parse_bool,
+                nargs="?",
+                const=True,
+                default=default,
+                help=f"{flag.help} [env {flag.env}]",
+            )
+        else:
+            parser.add_argument(
+                *options,
+                dest=flag.dest,
+                type=flag.kind,
+                default=default,
+                help=f"{flag.help} [env {flag.env}]",
+            )
+
+
+def router_config(args: argparse.Namespace) -> RouterConfig:
+    """The router's limits from the parsed flags (token limits are resolved once the engine is up)."""
+    origins = tuple(o.strip() for o in (args.cors_allow_origin or "").split(",") if o.strip())
+    return RouterConfig(
+        max_concurrent_requests=args.max_concurrent_requests,
+        max_best_of=args.max_best_of,
+        max_stop_sequences=args.max_stop_sequences,
+        max_top_n_tokens=args.max_top_n_tokens,
+        max_input_tokens=args.max_input_tokens,
+        max_total_tokens=args.max_total_tokens,
+        max_client_batch_size=args.max_client_batch_size,
+        payload_limit=args.payload_limit,
+        api_key=args.api_key or None,
+        served_model_name=args.served_model_name,
+        health_timeout_s=args.health_timeout,
+        cors_allow_origin=origins,
+    )
+
+
+def engine_args(args: argparse.Namespace) -> dict[str, Any]:
+    """`EngineArgs` keywords. Optional ones are passed only when set, so an engine that lacks a
+    feature fails loudly only when that feature is asked for."""
+    result: dict[str, Any] = {
+        "model": args.model_id,
+        "revision": args.revision,
+        "dtype": args.dtype,
+        "device": args.device,
+        "block_size": args.block_size,
+        "enable_prefix_caching": args.prefix_caching,
+        "trust_remote_code": args.trust_remote_code,
+    }
+    if args.allow_pickle_weights:
+        result["allow_pickle"] = True
+    optional = {
+        "max_num_batched_tokens": args.max_batch_prefill_tokens,
+        "max_num_seqs": args.max_batch_size,
+        "max_model_len": args.max_total_tokens,
+        "num_blocks": (
+            math.ceil(args.max_batch_total_tokens / args.block_size) if args.max_batch_total_tokens else None
+        ),
+        "tensor_parallel_size": args.num_shard if args.num_shard and args.num_shard > 1 else None,
+    }
+    result.update({key: value for key, value in optional.items() if value is not None})
+    return result
+
+
+def engine_environment(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The engine process's environment: ours, plus what the flags say about the Hub cache."""
+    env = dict(os.environ if environ is None else environ)
+    if args.huggingface_hub_cache:
+        env["HF_HUB_CACHE"] = args.huggingface_hub_cache
+    return env

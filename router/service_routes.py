@@ -1,0 +1,121 @@
+"""Routes around generation: /health, /ping, /info, /metrics, and /tokenize, /detokenize
+(TGI's shape for `{"inputs": ...}`, vLLM's for `{"prompt"|"messages": ...}`, so `vllm bench serve` works)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field
+
+import tgserve
+from tgserve.router.errors import EngineUnavailableError, ValidationError
+from tgserve.router.http import parse_json, read_body
+from tgserve.router.openai_schemas import ChatMessage, message_text
+from tgserve.router.state import router_state
+from tgserve.router.tgi_schemas import TGITokenizeRequest
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    """200 only when the engine loop answers a ping; 503 otherwise (dead, or stuck)."""
+    state = router_state(request)
+    if await state.client.ping(state.config.health_timeout_s):
+        return Response(status_code=200)
+    reason = state.client.dead_reason or "the engine did not answer in time"
+    return EngineUnavailableError(f"unhealthy: {reason}").response(openai=False)
+
+
+@router.get("/ping")
+async def ping(request: Request) -> Response:
+    """SageMaker's liveness probe, answered like /health."""
+    return await health(request)
+
+
+@router.get("/info")
+async def info(request: Request) -> dict[str, Any]:
+    state = router_state(request)
+    config = state.config
+    return {
+        "model_id": state.engine.model_id,
+        "model_sha": None,
+        "model_dtype": state.engine.dtype or None,
+        "model_device_type": state.engine.device or None,
+        "model_pipeline_tag": "text-generation",
+        "max_concurrent_requests": config.max_concurrent_requests,
+        "max_best_of": config.max_best_of,
+        "max_stop_sequences": config.max_stop_sequences,
+        "max_input_tokens": config.input_limit,
+        "max_total_tokens": config.total_limit,
+        "max_client_batch_size": config.max_client_batch_size,
+        "validation_workers": 1,
+        "router": "tgserve",
+        "version": tgserve.__version__,
+        "sha": None,
+        "docker_label": None,
+    }
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    body = router_state(request).metrics.render()
+    return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+class VLLMTokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1_000_000)
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request) -> Response:
+    state = router_state(request)
+    body = await read_body(request, state.config.payload_limit)
+    try:
+        shape = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        shape = None
+    if isinstance(shape, dict) and "inputs" in shape:
+        tgi_request = parse_json(TGITokenizeRequest, body)
+        tokens = [
+            {"id": i, "text": tgi_request.inputs[start:stop], "start": start, "stop": stop}
+            for i, start, stop in state.tokenizer.offsets(tgi_request.inputs)
+        ]
+        return JSONResponse(tokens)
+    vllm_request = parse_json(VLLMTokenizeRequest, body)
+    ids = vllm_tokens(state, vllm_request)
+    return JSONResponse({"count": len(ids), "max_model_len": state.config.total_limit, "tokens": ids})
+
+
+def vllm_tokens(state: Any, request: VLLMTokenizeRequest) -> list[int]:
+    if request.messages is not None:
+        messages = [{"role": m.role, "content": message_text(m)} for m in request.messages]
+        text = state.tokenizer.chat_prompt(messages, add_generation_prompt=request.add_generation_prompt)
+        return state.tokenizer.encode(text, add_special_tokens=False)
+    if request.prompt is None:
+        raise ValidationError("give `inputs` (TGI), `prompt` or `messages` (vLLM)", param="prompt")
+    return state.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request) -> Response:
+    state = router_state(request)
+    parsed = parse_json(DetokenizeRequest, await read_body(request, state.config.payload_limit))
+    state.tokenizer.check_ids(parsed.tokens, "tokens")
+    return JSONResponse({"prompt": state.tokenizer.decode(parsed.tokens, skip_special_tokens=False)})

@@ -1,0 +1,200 @@
+"""What `tgserve serve` runs: start the engine process, wait until it is ready, serve HTTP, and exit
+non-zero when the engine dies (so that a container restarts).
+
+The router process runs one asyncio loop: the ZMQ client, uvicorn, and a watcher of the engine
+process. The engine is `python -m tgserve.server.engine_service`, a child that connects back to
+the router's ipc:// sockets and exits by itself if the router disappears.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+import uvicorn
+
+from tgserve.router import serve_args
+from tgserve.router.app import create_app
+from tgserve.router.config import RouterConfig
+from tgserve.router.engine_client import EngineClient
+from tgserve.router.generation import Admission, Generator
+from tgserve.router.metrics import RouterMetrics
+from tgserve.router.state import RouterState
+from tgserve.router.tokenization import RouterTokenizer
+from tgserve.server.engine_service import EngineServiceConfig
+
+logger = logging.getLogger("tgserve.launcher")
+
+WATCH_PERIOD_S = 0.05  # how often the engine process is checked: /health turns 503 well within a second
+ERROR_FLUSH_S = 0.3  # after the engine died, time for streams to send their error events before exit
+PROGRESS_PERIOD_S = 10.0
+
+
+def start_engine(args: argparse.Namespace, client: EngineClient, ipc_dir: str) -> subprocess.Popen[bytes]:
+    """The engine process; it inherits stdout/stderr, so its download and loading progress bars show.
+
+    It saves its tokenizer into ipc_dir for the router, which reads it without importing torch.
+    """
+    service_config = EngineServiceConfig(
+        input_address=client.input_address,
+        output_address=client.output_address,
+        engine_args=serve_args.engine_args(args),
+        parent_pid=os.getpid(),
+        tokenizer_dir=os.path.join(ipc_dir, "tokenizer"),
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "tgserve.server.engine_service",
+        msgspec.json.encode(service_config).decode(),
+    ]
+    return subprocess.Popen(command, env=serve_args.engine_environment(args))
+
+
+async def wait_for_engine(client: EngineClient, process: subprocess.Popen[bytes], model: str) -> Any:
+    """Wait for the engine's ready message, saying so every few seconds."""
+    started = time.monotonic()
+    logger.info("starting the engine (pid %d) for %s", process.pid, model)
+
+    async def progress() -> None:
+        while True:
+            await asyncio.sleep(PROGRESS_PERIOD_S)
+            logger.info("waiting for the engine to load and warm up (%.0fs)", time.monotonic() - started)
+
+    reporter = asyncio.create_task(progress())
+    try:
+        ready = await client.wait_ready(lambda: process.poll() is None)
+    finally:
+        reporter.cancel()
+    logger.info(
+        "engine ready in %.1fs: %s, max_model_len=%d",
+        time.monotonic() - started,
+        ready.model_id,
+        ready.max_model_len,
+    )
+    return ready
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, minus re-raising the caught signal on exit: the launcher must still stop
+    the engine process and choose the exit status itself."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        handled = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+async def watch_engine(
+    process: subprocess.Popen[bytes], client: EngineClient, server: uvicorn.Server
+) -> bool:
+    """Return True (after failing every request and stopping the server) if the engine process exits."""
+    while process.poll() is None:
+        await asyncio.sleep(WATCH_PERIOD_S)
+    client.fail(f"the engine process exited with status {process.returncode}")
+    await asyncio.sleep(ERROR_FLUSH_S)
+    server.should_exit = True
+    return True
+
+
+def build_state(
+    args: argparse.Namespace, config: RouterConfig, client: EngineClient, ready: Any
+) -> RouterState:
+    tokenizer = RouterTokenizer.from_directory(ready.tokenizer_dir)
+    resolved = config.resolve(ready.max_model_len)
+    metrics = RouterMetrics(lambda: (client.stats, ready.block_size))
+    generator = Generator(client, tokenizer, metrics, Admission(resolved.max_concurrent_requests))
+    return RouterState(
+        config=resolved,
+        client=client,
+        tokenizer=tokenizer,
+        metrics=metrics,
+        generator=generator,
+        engine=ready,
+        model_name=resolved.served_model_name or ready.model_id,
+    )
+
+
+async def stop_engine(
+    client: EngineClient, process: subprocess.Popen[bytes], timeout_s: float = 10.0
+) -> None:
+    """Ask the engine to exit; terminate, then kill, if it does not."""
+    await client.close()
+    deadline = time.monotonic() + timeout_s
+    while process.poll() is None and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def port_is_free(host: str, port: int) -> bool:
+    """Checked before the model loads, so a taken port fails in a second rather than after the load."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+async def serve(args: argparse.Namespace, config: RouterConfig, ipc_dir: str) -> int:
+    """Run everything; the exit status is 1 if the engine failed or died, else 0."""
+    if not port_is_free(args.hostname, args.port):
+        logger.error(
+            "cannot listen on %s:%d: the address is in use or not available", args.hostname, args.port
+        )
+        return 1
+    client = EngineClient(ipc_dir)
+    process = start_engine(args, client, ipc_dir)
+    try:
+        ready = await wait_for_engine(client, process, args.model_id or "the default model")
+        state = build_state(args, config, client, ready)
+    except (RuntimeError, ValueError, OSError) as exc:
+        logger.error("%s", exc)
+        await stop_engine(client, process, timeout_s=2.0)
+        return 1
+    client.start()
+    uvicorn_config = uvicorn.Config(
+        create_app(state),
+        host=args.hostname,
+        port=args.port,
+        log_level=args.log_level.lower(),
+        timeout_graceful_shutdown=5,
+        lifespan="off",
+    )
+    server = _Server(uvicorn_config)
+    watcher = asyncio.create_task(watch_engine(process, client, server))
+    try:
+        await server.serve()
+    except SystemExit:  # uvicorn exits this way when it cannot bind the port
+        logger.error("the HTTP server could not start on %s:%d", args.hostname, args.port)
+        server.should_exit = True
+    engine_died = watcher.done() and not watcher.cancelled()
+    watcher.cancel()
+    await stop_engine(client, process)
+    if engine_died:
+        logger.error("exiting: the engine process died (status %s)", process.returncode)
+        return 1
+    return 0 if server.started else 1

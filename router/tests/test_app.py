@@ -1,0 +1,190 @@
+"""The HTTP layer against an in-process fake engine: response shapes, errors, limits, auth."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from tgserve.router.app import create_app
+from tgserve.router.config import RouterConfig
+from tgserve.router.tests.fakes import FakeEngineClient, make_state, text_script
+
+pytestmark = pytest.mark.anyio
+ANSWER = " The capital of France is Paris. It is a city."
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+def build(tokenizer_dir, tokenizer, config=None, tick_s=0.001):
+    eos = tokenizer.encode("<|im_end|>", add_special_tokens=False)[0]
+    client = FakeEngineClient(text_script(tokenizer, ANSWER, eos), eos, tick_s)
+    state = make_state(tokenizer_dir, client, config)
+    transport = httpx.ASGITransport(app=create_app(state))
+    return client, httpx.AsyncClient(transport=transport, base_url="http://test")
+
+
+def events(body: str) -> list[object]:
+    out = []
+    for line in body.splitlines():
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+async def test_tgi_generate_with_details(tokenizer_dir, tokenizer):
+    _, http = build(tokenizer_dir, tokenizer)
+    response = await http.post(
+        "/generate", json={"inputs": "Q:", "parameters": {"details": True, "top_n_tokens": 2}}
+    )
+    body = response.json()
+    assert response.status_code == 200, body
+    assert body["generated_text"] == ANSWER
+    details = body["details"]
+    assert details["finish_reason"] == "eos_token"
+    assert details["generated_tokens"] == len(details["tokens"])
+    assert details["tokens"][-1]["special"] is True
+    assert len(details["top_tokens"][0]) == 2
+
+
+async def test_tgi_stream_and_compat_route(tokenizer_dir, tokenizer):
+    _, http = build(tokenizer_dir, tokenizer)
+    response = await http.post("/generate_stream", json={"inputs": "Q:", "parameters": {"stop": ["."]}})
+    stream = events(response.text)
+    assert response.headers["content-type"].startswith("text/event-stream")
+    assert all(e["generated_text"] is None for e in stream[:-1])
+    assert stream[-1]["generated_text"] == " The capital of France is Paris."
+    compat = await http.post("/", json={"inputs": "Q:", "parameters": {"max_new_tokens": 3}})
+    assert isinstance(compat.json(), list) and compat.json()[0]["generated_text"]
+    compat_stream = await http.post("/", json={"inputs": "Q:", "stream": True})
+    assert events(compat_stream.text)[-1]["generated_text"] == ANSWER
+
+
+async def test_openai_completions_n_seed_and_stop(tokenizer_dir, tokenizer):
+    client, http = build(tokenizer_dir, tokenizer)
+    body = {"prompt": "Q:", "n": 3, "seed": 7, "stop": ["."], "max_tokens": 50, "logprobs": 1}
+    response = await http.post("/v1/completions", json=body)
+    data = response.json()
+    assert response.status_code == 200, data
+    assert [c["index"] for c in data["choices"]] == [0, 1, 2]
+    assert all(
+        c["text"] == " The capital of France is Paris" and c["finish_reason"] == "stop"
+        for c in data["choices"]
+    )
+    assert sorted(p.seed for _, _, p in client.submitted) == [7, 8, 9]
+    assert data["usage"]["completion_tokens"] == sum(len(c["logprobs"]["tokens"]) for c in data["choices"])
+    assert len(client.finished) == 3  # the router told the engine to stop at the stop string
+
+
+async def test_openai_chat_stream_with_usage(tokenizer_dir, tokenizer):
+    _, http = build(tokenizer_dir, tokenizer)
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    stream = events((await http.post("/v1/chat/completions", json=body)).text)
+    assert stream[-1] == "[DONE]"
+    assert stream[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in stream[1:-2])
+    assert text == ANSWER
+    assert stream[-3]["choices"][0]["finish_reason"] == "stop"
+    assert stream[-2]["choices"] == [] and stream[-2]["usage"]["completion_tokens"] > 0
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "needle"),
+    [
+        ("/generate", b"{bad json", 422, "Invalid JSON"),
+        ("/generate", b'{"inputs": 3}', 422, "inputs"),
+        ("/generate", b'{"inputs": "x", "parameters": {"max_new_tokens": "3"}}', 422, "max_new_tokens"),
+        ("/generate", b'{"inputs": "\xff"}', 422, "unicode"),
+        ("/generate", b"", 422, "empty"),
+        ("/v1/completions", b'{"prompt": "x", "temperature": 3}', 400, "temperature"),
+        ("/v1/completions", b'{"prompt": "x", "max_tokens": 100000}', 400, "--max-total-tokens"),
+        ("/v1/chat/completions", b'{"messages": "hi"}', 400, "messages"),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "x"}], "stop": ["a","b","c","d","e"]}',
+            400,
+            "--max-stop-sequences",
+        ),
+    ],
+)
+async def test_bad_inputs_are_4xx_naming_the_problem(tokenizer_dir, tokenizer, path, body, status, needle):
+    _, http = build(tokenizer_dir, tokenizer)
+    response = await http.post(path, content=body, headers={"content-type": "application/json"})
+    assert response.status_code == status
+    error = response.json()["error"]
+    message = error["message"] if isinstance(error, dict) else error
+    assert needle in message
+
+
+async def test_engine_rejection_is_a_validation_error(tokenizer_dir, tokenizer):
+    client, http = build(tokenizer_dir, tokenizer)
+    client.reject_with = "prompt too long for the KV cache"
+    response = await http.post("/generate", json={"inputs": "x"})
+    assert response.status_code == 422 and "KV cache" in response.json()["error"]
+
+
+async def test_over_the_concurrency_limit_is_429(tokenizer_dir, tokenizer):
+    _, http = build(tokenizer_dir, tokenizer, RouterConfig(max_concurrent_requests=1), tick_s=0.02)
+    first = asyncio.create_task(http.post("/generate", json={"inputs": "x"}))
+    await asyncio.sleep(0.05)
+    second = await http.post("/generate", json={"inputs": "x"})
+    assert second.status_code == 429 and "--max-concurrent-requests=1" in second.json()["error"]
+    assert (await first).status_code == 200
+    assert (await http.post("/generate", json={"inputs": "x"})).status_code == 200
+
+
+async def test_api_key(tokenizer_dir, tokenizer):
+    _, http = build(tokenizer_dir, tokenizer, RouterConfig(api_key="secret"))
+    missing = await http.post("/v1/completions", json={"prompt": "x"})
+    wrong = await http.post("/generate", json={"inputs": "x"}, headers={"Authorization": "Bearer nope"})
+    right = await http.post("/generate", json={"inputs": "x"}, headers={"Authorization": "Bearer secret"})
+    assert (missing.status_code, wrong.status_code, right.status_code) == (401, 401, 200)
+    assert "missing" in missing.json()["error"]["message"] and "wrong" in wrong.json()["error"]
+    lowercase = await http.post("/generate", json={"inputs": "x"}, headers={"Authorization": "bearer secret"})
+    assert lowercase.status_code == 200  # the scheme is case-insensitive
+    assert (await http.get("/health")).status_code == 200
+
+
+async def test_body_size_limit(tokenizer_dir, tokenizer):
+    _, http = build(tokenizer_dir, tokenizer, RouterConfig(payload_limit=1000))
+    response = await http.post("/generate", json={"inputs": "x" * 2000})
+    assert response.status_code == 413 and "--payload-limit=1000" in response.json()["error"]
+
+
+async def test_engine_death_ends_requests_with_errors(tokenizer_dir, tokenizer):
+    client, http = build(tokenizer_dir, tokenizer, tick_s=0.05)
+    stream = asyncio.create_task(
+        http.post("/v1/completions", json={"prompt": "x", "stream": True, "max_tokens": 50})
+    )
+    blocking = asyncio.create_task(http.post("/generate", json={"inputs": "x"}))
+    await asyncio.sleep(0.12)
+    client.fail("killed")
+    stream_events = events((await stream).text)
+    assert "killed" in stream_events[-2]["error"]["message"] and stream_events[-1] == "[DONE]"
+    assert (await blocking).status_code == 503
+    assert (await http.get("/health")).status_code == 503
+    assert (await http.post("/generate", json={"inputs": "x"})).status_code == 503
+
+
+async def test_service_routes(tokenizer_dir, tokenizer):
+    _, http = build(tokenizer_dir, tokenizer)
+    assert (await http.get("/info")).json()["max_total_tokens"] == 256
+    assert (await http.get("/v1/models")).json()["data"][0]["id"] == "tiny"
+    tgi = (await http.post("/tokenize", json={"inputs": "Hello world"})).json()
+    assert "".join(t["text"] for t in tgi) == "Hello world"
+    vllm = (await http.post("/tokenize", json={"prompt": "Hello world"})).json()
+    assert vllm["tokens"] == [t["id"] for t in tgi] and vllm["count"] == len(tgi)
+    assert (await http.post("/detokenize", json={"tokens": vllm["tokens"]})).json()["prompt"] == "Hello world"
+    await http.post("/generate", json={"inputs": "x"})
+    metrics = (await http.get("/metrics")).text
+    assert "tgi_request_success_total 1.0" in metrics

@@ -1,0 +1,108 @@
+"""Admission limits and parameter translation, without an engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from tgserve.router.config import RouterConfig
+from tgserve.router.errors import ValidationError
+from tgserve.router.openai_schemas import CompletionRequest, logit_bias, openai_knobs
+from tgserve.router.tgi_schemas import TGIParameters, tgi_knobs
+from tgserve.router.validation import Knobs, build_spec, check_limits, sequence_seeds
+
+CONFIG = RouterConfig(max_input_tokens=10, max_total_tokens=20).resolve(64)
+
+
+def test_resolve_derives_token_limits_from_the_model():
+    config = RouterConfig().resolve(100)
+    assert (config.input_limit, config.total_limit) == (99, 100)
+    with pytest.raises(ValueError, match="max-total-tokens"):
+        RouterConfig(max_total_tokens=200).resolve(100)
+    with pytest.raises(ValueError, match="max-input-tokens"):
+        RouterConfig(max_input_tokens=100).resolve(100)
+
+
+@pytest.mark.parametrize(
+    ("prompt_len", "knobs", "message"),
+    [
+        (0, Knobs(), "prompt is empty"),
+        (11, Knobs(), "--max-input-tokens=10"),
+        (10, Knobs(max_new_tokens=11), "--max-total-tokens=20"),
+        (5, Knobs(stop=("a",) * 5), "--max-stop-sequences=4"),
+        (5, Knobs(stop=("",)), "must not be empty"),
+        (5, Knobs(logprobs=6), "--max-top-n-tokens=5"),
+    ],
+)
+def test_limits_name_the_flag(prompt_len, knobs, message):
+    with pytest.raises(ValidationError, match=message):
+        check_limits(CONFIG, prompt_len, knobs)
+
+
+def test_max_new_tokens_defaults_to_what_the_total_leaves():
+    assert check_limits(CONFIG, 8, Knobs()) == 12
+    assert check_limits(CONFIG, 8, Knobs(max_new_tokens=3)) == 3
+
+
+def test_seeds_are_derived_and_reproducible():
+    assert sequence_seeds(Knobs(seed=7, n=3)) == [7, 8, 9]
+    assert sequence_seeds(Knobs(temperature=0.0, n=2)) == [None, None]
+    drawn = sequence_seeds(Knobs(n=3))
+    assert len(set(drawn)) == 3 and all(isinstance(s, int) for s in drawn)
+    with pytest.raises(ValidationError, match="seed"):
+        sequence_seeds(Knobs(seed=-1))
+
+
+def test_build_spec_checks_sampling_params_and_vocabulary(tokenizer):
+    with pytest.raises(ValidationError, match="top_p"):
+        build_spec(CONFIG, tokenizer, [1, 2], Knobs(top_p=0.0), include_stop=False)
+    with pytest.raises(ValidationError, match="outside the vocabulary"):
+        build_spec(CONFIG, tokenizer, [1, 10**6], Knobs(), include_stop=False)
+    with pytest.raises(ValidationError, match="logit_bias"):
+        build_spec(CONFIG, tokenizer, [1], Knobs(logit_bias={10**6: 1.0}), include_stop=False)
+    spec = build_spec(CONFIG, tokenizer, [1, 2], Knobs(n=2, seed=1, max_new_tokens=4), include_stop=True)
+    assert [p.seed for p in spec.params] == [1, 2]
+    assert all(p.max_new_tokens == 4 for p in spec.params)
+
+
+def test_tgi_greedy_unless_sampling_is_asked_for():
+    assert tgi_knobs(TGIParameters(), CONFIG, stream=False).temperature == 0.0
+    assert tgi_knobs(TGIParameters(temperature=0.7), CONFIG, stream=False).temperature == 0.7
+    assert tgi_knobs(TGIParameters(do_sample=True), CONFIG, stream=False).temperature == 1.0
+    assert tgi_knobs(TGIParameters(top_k=5), CONFIG, stream=False).top_k == 5
+
+
+def test_tgi_streams_and_details_carry_logprobs():
+    assert tgi_knobs(TGIParameters(), CONFIG, stream=False).logprobs is None
+    assert tgi_knobs(TGIParameters(), CONFIG, stream=True).logprobs == 0
+    assert tgi_knobs(TGIParameters(details=True, top_n_tokens=3), CONFIG, stream=False).logprobs == 3
+
+
+@pytest.mark.parametrize(
+    ("params", "stream", "message"),
+    [
+        (TGIParameters(temperature=0.0), False, "strictly positive"),
+        (TGIParameters(best_of=3, do_sample=True), False, "--max-best-of=2"),
+        (TGIParameters(best_of=2), False, "sampling"),
+        (TGIParameters(best_of=2, do_sample=True), True, "streaming"),
+        (TGIParameters(truncate=11), False, "--max-input-tokens=10"),
+        (TGIParameters(grammar={"type": "json"}), False, "not supported"),
+    ],
+)
+def test_tgi_rules(params, stream, message):
+    with pytest.raises(ValidationError, match=message):
+        tgi_knobs(params, CONFIG, stream)
+
+
+def test_openai_translation():
+    request = CompletionRequest(prompt="x", temperature=0.0, top_k=-1, stop="END", logit_bias={"5": -100})
+    knobs = openai_knobs(request, CONFIG, 5, None, 1)
+    assert (knobs.temperature, knobs.top_k, knobs.stop, knobs.logit_bias) == (0.0, 0, ("END",), {5: -100.0})
+    with pytest.raises(ValidationError, match="limit"):
+        openai_knobs(request, CONFIG, 5, None, 100)
+
+
+def test_logit_bias_bounds():
+    with pytest.raises(ValidationError, match="not a token id"):
+        logit_bias({"abc": 1.0})
+    with pytest.raises(ValidationError, match=r"\[-100, 100\]"):
+        logit_bias({"1": 101.0})

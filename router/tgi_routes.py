@@ -1,0 +1,153 @@
+"""TGI's native routes: POST /generate, /generate_stream and / (JSON or SSE by `stream`)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from tgserve.router.errors import RouterError
+from tgserve.router.generation import Generation, SequenceState, TokenInfo
+from tgserve.router.http import EventStreamResponse, parse_json, sse, until_disconnected
+from tgserve.router.state import RouterState, router_state, start_generation
+from tgserve.router.tgi_schemas import TGIParameters, TGIRequest, tgi_knobs
+from tgserve.router.validation import GenerationSpec, build_spec
+
+router = APIRouter()
+
+
+def build_tgi_spec(state: RouterState, request: TGIRequest, stream: bool) -> GenerationSpec:
+    """Tokenize (with `truncate` keeping the prompt's end, as TGI does) and validate."""
+    knobs = tgi_knobs(request.parameters, state.config, stream)
+    prompt_ids = state.tokenizer.encode(request.inputs)
+    if request.parameters.truncate is not None:
+        prompt_ids = prompt_ids[-request.parameters.truncate :]
+    return build_spec(state.config, state.tokenizer, prompt_ids, knobs, include_stop=True)
+
+
+def token_json(token: TokenInfo) -> dict[str, Any]:
+    return {"id": token.id, "text": token.text, "logprob": token.logprob, "special": token.special}
+
+
+def top_tokens_json(state: RouterState, token: TokenInfo) -> list[dict[str, Any]]:
+    tok = state.tokenizer
+    return [
+        {"id": i, "text": tok.token_text(i), "logprob": lp, "special": tok.is_special(i)}
+        for i, lp in token.top
+    ]
+
+
+def full_text(request: TGIRequest, seq: SequenceState) -> str:
+    return request.inputs + seq.text if request.parameters.return_full_text else seq.text
+
+
+def sequence_details(
+    state: RouterState, params: TGIParameters, spec: GenerationSpec, seq: SequenceState
+) -> dict[str, Any]:
+    """TGI's `details` (or one of its `best_of_sequences`, which also carry generated_text)."""
+    details: dict[str, Any] = {
+        "finish_reason": seq.finish_reason,
+        "generated_tokens": len(seq.tokens),
+        "seed": seq.params.seed,
+        # The engine computes no prompt log-probabilities: prefill tokens carry logprob null.
+        "prefill": [
+            {"id": i, "text": state.tokenizer.token_text(i), "logprob": None}
+            for i in (spec.prompt_token_ids if params.decoder_input_details else [])
+        ],
+        "tokens": [token_json(t) for t in seq.tokens],
+    }
+    if params.top_n_tokens:
+        details["top_tokens"] = [top_tokens_json(state, t) for t in seq.tokens]
+    return details
+
+
+def sequence_score(seq: SequenceState) -> float:
+    return sum(t.logprob or 0.0 for t in seq.tokens)
+
+
+def generate_response(state: RouterState, request: TGIRequest, generation: Generation) -> dict[str, Any]:
+    """The non-streaming body: the best sequence (best_of), with details when asked for."""
+    spec = generation.specs[0]
+    sequences = sorted(generation.sequences, key=sequence_score, reverse=True)
+    best = sequences[0]
+    body: dict[str, Any] = {"generated_text": full_text(request, best)}
+    params = request.parameters
+    if params.details:
+        details = sequence_details(state, params, spec, best)
+        if len(sequences) > 1:
+            details["best_of_sequences"] = [
+                {"generated_text": full_text(request, seq), **sequence_details(state, params, spec, seq)}
+                for seq in sequences[1:]
+            ]
+        body["details"] = details
+    return body
+
+
+def response_headers(generation: Generation) -> dict[str, str]:
+    generated = sum(len(seq.tokens) for seq in generation.sequences)
+    return {"x-prompt-tokens": str(generation.num_prompt_tokens), "x-generated-tokens": str(generated)}
+
+
+async def tgi_events(state: RouterState, request: TGIRequest, generation: Generation) -> AsyncIterator[bytes]:
+    """One event per token; the last one carries generated_text (and details when asked for)."""
+    spec = generation.specs[0]
+    params = request.parameters
+    try:
+        async for _, delta in generation.deltas():
+            seq = generation.sequences[delta.index]
+            for position, token in enumerate(delta.tokens):
+                last = delta.finish_reason is not None and position == len(delta.tokens) - 1
+                event: dict[str, Any] = {
+                    "index": len(seq.tokens) - len(delta.tokens) + position + 1,
+                    "token": token_json(token),
+                    "generated_text": full_text(request, seq) if last else None,
+                    "details": None,
+                }
+                if params.top_n_tokens:
+                    event["top_tokens"] = top_tokens_json(state, token)
+                if last and params.details:
+                    event["details"] = {
+                        "finish_reason": seq.finish_reason,
+                        "generated_tokens": len(seq.tokens),
+                        "seed": seq.params.seed,
+                        "input_length": spec.num_prompt_tokens,
+                    }
+                yield sse(event)
+    except RouterError as exc:
+        yield sse(exc.tgi_body())
+
+
+async def generate(request: Request, stream: bool | None) -> Response:
+    """Shared by the three routes; `stream` None means "as the body says" (POST /)."""
+    state = router_state(request)
+    parsed: dict[str, TGIRequest] = {}
+
+    def build(body: bytes) -> list[GenerationSpec]:
+        tgi_request = parse_json(TGIRequest, body)
+        parsed["request"] = tgi_request
+        return [build_tgi_spec(state, tgi_request, tgi_request.stream if stream is None else stream)]
+
+    generation = await start_generation(request, build)
+    tgi_request = parsed["request"]
+    if tgi_request.stream if stream is None else stream:
+        return EventStreamResponse(tgi_events(state, tgi_request, generation), generation.close)
+    await until_disconnected(request, state.generator.run(generation))
+    body = generate_response(state, tgi_request, generation)
+    return JSONResponse([body] if stream is None else body, headers=response_headers(generation))
+
+
+@router.post("/generate")
+async def generate_route(request: Request) -> Response:
+    return await generate(request, stream=False)
+
+
+@router.post("/generate_stream")
+async def generate_stream_route(request: Request) -> Response:
+    return await generate(request, stream=True)
+
+
+@router.post("/")
+async def compat_generate_route(request: Request) -> Response:
+    return await generate(request, stream=None)

@@ -1,0 +1,120 @@
+"""TGI's request shape and its translation into the router's `Knobs`, with TGI's own rules."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tgserve.router.config import RouterConfig
+from tgserve.router.errors import ValidationError
+from tgserve.router.validation import Knobs
+
+STRICT = ConfigDict(extra="ignore", strict=True)
+
+
+class TGIParameters(BaseModel):
+    """`parameters` of /generate, /generate_stream and / (null means "not given", as clients send it)."""
+
+    model_config = STRICT
+
+    adapter_id: str | None = None
+    best_of: int | None = Field(default=None, gt=0)
+    decoder_input_details: bool = False
+    details: bool = False
+    do_sample: bool = False
+    frequency_penalty: float | None = None
+    grammar: Any | None = None
+    max_new_tokens: int | None = Field(default=None, gt=0)
+    repetition_penalty: float | None = None
+    return_full_text: bool | None = None
+    seed: int | None = Field(default=None, ge=0)
+    stop: list[str] | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_n_tokens: int | None = Field(default=None, ge=0)
+    top_p: float | None = None
+    truncate: int | None = Field(default=None, gt=0)
+    typical_p: float | None = None
+    watermark: bool = False
+
+
+class TGIRequest(BaseModel):
+    model_config = STRICT
+
+    inputs: str
+    parameters: TGIParameters = Field(default_factory=TGIParameters)
+    stream: bool = False
+
+
+class TGITokenizeRequest(BaseModel):
+    model_config = STRICT
+
+    inputs: str
+    parameters: TGIParameters = Field(default_factory=TGIParameters)
+
+
+def is_sampling(params: TGIParameters) -> bool:
+    """TGI samples when asked to, or when any warper is set away from its neutral value."""
+    return (
+        params.do_sample
+        or (params.temperature is not None and params.temperature != 1.0)
+        or bool(params.top_k)
+        or (params.top_p is not None and params.top_p < 1.0)
+        or (params.typical_p is not None and params.typical_p < 1.0)
+    )
+
+
+def check_tgi_rules(params: TGIParameters, config: RouterConfig, stream: bool) -> int:
+    """TGI's checks beyond SamplingParams' ranges; returns best_of (1 when not given)."""
+    if params.grammar is not None:
+        raise ValidationError(
+            "`grammar` (guided generation) is not supported by this server", param="grammar"
+        )
+    if params.adapter_id is not None:
+        raise ValidationError(
+            "`adapter_id` (LoRA adapters) is not supported by this server", param="adapter_id"
+        )
+    if params.temperature is not None and params.temperature <= 0.0:
+        raise ValidationError("`temperature` must be strictly positive", param="temperature")
+    if params.top_k is not None and params.top_k <= 0:
+        raise ValidationError("`top_k` must be strictly positive", param="top_k")
+    if params.truncate is not None and params.truncate > config.input_limit:
+        raise ValidationError(
+            f"`truncate` must be <= --max-input-tokens={config.input_limit}, got {params.truncate}",
+            param="truncate",
+        )
+    best_of = params.best_of or 1
+    if best_of > 1:
+        if best_of > config.max_best_of:
+            raise ValidationError(
+                f"`best_of` is {best_of}, more than --max-best-of={config.max_best_of}", param="best_of"
+            )
+        if not is_sampling(params):
+            raise ValidationError(
+                "you must use sampling (`do_sample`) when `best_of` is > 1", param="best_of"
+            )
+        if stream:
+            raise ValidationError("`best_of` != 1 is not allowed for streaming", param="best_of")
+    return best_of
+
+
+def tgi_knobs(params: TGIParameters, config: RouterConfig, stream: bool) -> Knobs:
+    """Translate TGI parameters; streams and details always carry log-probabilities, like TGI."""
+    best_of = check_tgi_rules(params, config, stream)
+    sampling = is_sampling(params)
+    wants_logprobs = stream or params.details or best_of > 1
+    logprobs = params.top_n_tokens if params.top_n_tokens else (0 if wants_logprobs else None)
+    return Knobs(
+        max_new_tokens=params.max_new_tokens,
+        temperature=(params.temperature or 1.0) if sampling else 0.0,
+        top_k=(params.top_k or 0) if sampling else 0,
+        top_p=(params.top_p or 1.0) if sampling else 1.0,
+        typical_p=(params.typical_p or 1.0) if sampling else 1.0,
+        repetition_penalty=params.repetition_penalty if params.repetition_penalty is not None else 1.0,
+        frequency_penalty=params.frequency_penalty or 0.0,
+        seed=params.seed,
+        stop=tuple(params.stop or ()),
+        logprobs=logprobs,
+        n=best_of,
+    )

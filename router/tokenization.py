@@ -1,0 +1,156 @@
+"""The router's own tokenizer: prompts, chat templates and token texts stay out of the engine process.
+
+The engine saves its tokenizer (whatever it was loaded from: Hub, directory or GGUF) into a directory
+with `save_pretrained`; the router reads it back with the `tokenizers` library and renders chat
+templates with transformers' own Jinja renderer. Neither imports torch, which `AutoTokenizer` does:
+the router process stays small and starts fast. Token ids and texts are the same as the engine's,
+since both use the same tokenizer.json.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from tgserve.router.errors import ValidationError
+
+SPECIAL_TOKEN_KEYS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+
+
+def _token_content(value: Any) -> str | None:
+    """tokenizer_config.json writes a special token as a string or as {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _read_chat_template(directory: Path, config: dict[str, Any]) -> str | None:
+    """chat_template.jinja (transformers 5) or the tokenizer config's entry (a string, or named ones)."""
+    path = directory / "chat_template.jinja"
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {item.get("name"): item.get("template") for item in template if isinstance(item, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    return template if isinstance(template, str) else None
+
+
+def clean_up_tokenization(text: str) -> str:
+    """transformers' `clean_up_tokenization_spaces`, for the tokenizers that enable it."""
+    for before, after in (
+        (" .", "."),
+        (" ?", "?"),
+        (" !", "!"),
+        (" ,", ","),
+        (" ' ", "'"),
+        (" n't", "n't"),
+        (" 'm", "'m"),
+        (" 's", "'s"),
+        (" 've", "'ve"),
+        (" 're", "'re"),
+    ):
+        text = text.replace(before, after)
+    return text
+
+
+class RouterTokenizer:
+    """Encode, decode, render chat templates; per-token texts are cached."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        chat_template: str | None = None,
+        special_tokens: dict[str, str] | None = None,
+        clean_up_spaces: bool = False,
+    ):
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.special_tokens = dict(special_tokens or {})
+        self.clean_up_spaces = clean_up_spaces
+        added = tokenizer.get_added_tokens_decoder()
+        self.special_ids = frozenset(int(i) for i, token in added.items() if token.special)
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        # Token texts are asked for over and over (logprobs, details): decode each id once.
+        self.token_text = lru_cache(maxsize=65536)(self._token_text)
+
+    @classmethod
+    def from_directory(cls, directory: str | Path) -> RouterTokenizer:
+        """Load what `save_pretrained` wrote: tokenizer.json, tokenizer_config.json, chat template."""
+        path = Path(directory)
+        tokenizer_file = path / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise ValueError(f"{path} has no tokenizer.json: only fast (tokenizers) tokenizers are supported")
+        config_file = path / "tokenizer_config.json"
+        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+        specials = {
+            key: content for key in SPECIAL_TOKEN_KEYS if (content := _token_content(config.get(key)))
+        }
+        return cls(
+            Tokenizer.from_file(str(tokenizer_file)),
+            chat_template=_read_chat_template(path, config),
+            special_tokens=specials,
+            clean_up_spaces=bool(config.get("clean_up_tokenization_spaces", False)),
+        )
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        return clean_up_tokenization(text) if self.clean_up_spaces else text
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self.special_ids
+
+    def check_ids(self, token_ids: list[int], param: str) -> None:
+        """Reject token ids outside the vocabulary before they reach the engine's embedding lookup."""
+        for token_id in token_ids:
+            if not 0 <= token_id < self.vocab_size:
+                raise ValidationError(
+                    f"`{param}` contains token id {token_id}, outside the vocabulary [0, {self.vocab_size})",
+                    param=param,
+                )
+
+    def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """Render messages with the model's own Jinja chat template, exactly as transformers does."""
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        if not self.chat_template:
+            raise ValidationError("this model has no chat template; use /v1/completions", param="messages")
+        try:
+            rendered, _ = render_jinja_template(
+                conversations=[messages],
+                chat_template=self.chat_template,
+                add_generation_prompt=add_generation_prompt,
+                **self.special_tokens,
+            )
+        except Exception as exc:  # noqa: BLE001 - a template error is the messages' fault, e.g. raise_exception()
+            raise ValidationError(
+                f"the chat template failed on these messages: {exc}", param="messages"
+            ) from exc
+        return rendered[0]
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Template then tokenize; the template already wrote the special tokens it wants."""
+        return self.encode(self.chat_prompt(messages), add_special_tokens=False)
+
+    def offsets(self, text: str) -> list[tuple[int, int, int]]:
+        """(id, start, stop) character offsets of each token of text, for TGI's /tokenize."""
+        encoding = self.tokenizer.encode(text, add_special_tokens=True)
+        return [(int(i), int(s), int(e)) for i, (s, e) in zip(encoding.ids, encoding.offsets)]
