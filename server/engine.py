@@ -178,6 +178,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def needs_step(self) -> bool:
+        """Unfinished requests, or finished ones (aborts, stop strings) whose state a step releases."""
+        return self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_requests()
+
     # -- the loop -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

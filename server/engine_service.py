@@ -112,10 +112,7 @@ class EngineLoop:
 
     def needs_step(self) -> bool:
         """Unfinished requests, or finished ones (aborts) whose runner state a step must still drop."""
-        if self.engine.has_unfinished_requests():
-            return True
-        has_finished = getattr(getattr(self.engine, "scheduler", None), "has_finished_requests", None)
-        return bool(has_finished and has_finished())
+        return self.engine.needs_step()
 
     def drain(self, timeout_ms: int) -> None:
         """Handle every message already queued; block up to timeout_ms only for the first one."""

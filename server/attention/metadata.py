@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -24,6 +25,8 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     block_size: int
+    # Whatever a backend derives from this metadata once per step and reuses in every layer.
+    backend_cache: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

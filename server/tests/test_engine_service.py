@@ -42,6 +42,9 @@ class FakeEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def needs_step(self) -> bool:
+        return self.has_unfinished_requests()
+
     def step(self) -> list[RequestOutput]:
         outputs = []
         for request_id, (prompt, params, count) in list(self.requests.items()):
