@@ -39,73 +39,84 @@ def attend(
 
 
 @dataclass
+class DecodeGroup:
+    """Decoding sequences of similar context length, attended together over one padded gather."""
+
+    rows: torch.Tensor  # flat-batch rows of their queries
+    block_ids: torch.Tensor  # [B * num_blocks], row-major
+    num_blocks: int
+    query_pos: torch.Tensor  # [B, 1]
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # by sliding window
+
+
+@dataclass
 class StepPlan:
-    """What every layer of one step shares: which sequences decode together, their block ids, masks.
+    """What every layer of one step shares, built once per step (cached on the metadata)."""
 
-    Built once per step (cached on the metadata) so that layers do no per-sequence Python work.
-    """
-
-    decode_rows: torch.Tensor | None  # flat-batch rows of the batched decode queries
-    decode_block_ids: torch.Tensor | None  # [B * num_blocks], row-major over the decoding sequences
-    decode_num_blocks: int
-    decode_query_pos: torch.Tensor | None  # [B, 1]
+    decode_groups: list[DecodeGroup]
     prefill_seqs: list[tuple[int, int, int, int]]  # (sequence, begin, end, seq_len) attended one by one
     writes_every_slot: bool  # no slot -1: keys and values go in without a mask
-    masks: dict[tuple, torch.Tensor] = field(default_factory=dict)
+    prefill_masks: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict)
 
 
 def step_plan(metadata: AttentionMetadata, block_size: int) -> StepPlan:
     cached = metadata.backend_cache.get("cpu")
-    if cached is not None:
-        return cached
-    starts = metadata.query_start_loc_cpu
+    if cached is None:
+        cached = metadata.backend_cache["cpu"] = _build_plan(metadata, block_size)
+    return cached
+
+
+def _build_plan(metadata: AttentionMetadata, block_size: int) -> StepPlan:
+    starts, lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
     decode = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] == 1]
-    if len(decode) < 2:  # a lone decode goes through the per-sequence path
-        decode = []
-    batched = set(decode)
-    prefill = [
-        (i, starts[i], starts[i + 1], n) for i, n in enumerate(metadata.seq_lens_cpu) if i not in batched
-    ]
-    plan = StepPlan(None, None, 0, None, prefill, bool((metadata.slot_mapping >= 0).all()))
-    if decode:
-        device = metadata.slot_mapping.device
-        seqs = torch.tensor(decode, device=device)
-        seq_lens = metadata.seq_lens[seqs].long()
-        plan.decode_num_blocks = -(-max(metadata.seq_lens_cpu[i] for i in decode) // block_size)
-        plan.decode_rows = torch.tensor([starts[i] for i in decode], device=device)
-        plan.decode_block_ids = metadata.block_tables[seqs, : plan.decode_num_blocks].reshape(-1).long()
-        plan.decode_query_pos = (seq_lens - 1)[:, None]
-    metadata.backend_cache["cpu"] = plan
-    return plan
+    # Sequences whose block counts fall in the same power-of-two range share a gather, so padding
+    # to the longest in a group at most doubles what is read (mixed lengths would pad far more).
+    buckets: dict[int, list[int]] = {}
+    for i in decode:
+        buckets.setdefault((-(-lens[i] // block_size) - 1).bit_length(), []).append(i)
+    groups = [_decode_group(metadata, seqs, block_size) for seqs in buckets.values() if len(seqs) > 1]
+    grouped = {i for seqs in buckets.values() if len(seqs) > 1 for i in seqs}
+    prefill = [(i, starts[i], starts[i + 1], n) for i, n in enumerate(lens) if i not in grouped]
+    return StepPlan(groups, prefill, bool((metadata.slot_mapping >= 0).all()))
 
 
-def decode_mask(plan: StepPlan, block_size: int, sliding_window: int | None) -> torch.Tensor:
+def _decode_group(metadata: AttentionMetadata, seqs: list[int], block_size: int) -> DecodeGroup:
+    device = metadata.slot_mapping.device
+    index = torch.tensor(seqs, device=device)
+    num_blocks = -(-max(metadata.seq_lens_cpu[i] for i in seqs) // block_size)
+    return DecodeGroup(
+        rows=torch.tensor([metadata.query_start_loc_cpu[i] for i in seqs], device=device),
+        block_ids=metadata.block_tables[index, :num_blocks].reshape(-1).long(),
+        num_blocks=num_blocks,
+        query_pos=(metadata.seq_lens[index].long() - 1)[:, None],
+    )
+
+
+def decode_mask(group: DecodeGroup, block_size: int, sliding_window: int | None) -> torch.Tensor:
     """[B, 1, 1, L] True where a decode query may attend (causal, window), cached per window."""
-    key = ("decode", sliding_window)
-    if key not in plan.masks:
-        query_pos = plan.decode_query_pos
-        positions = torch.arange(plan.decode_num_blocks * block_size, device=query_pos.device)[None, :]
-        allowed = positions <= query_pos
+    if sliding_window not in group.masks:
+        positions = torch.arange(group.num_blocks * block_size, device=group.query_pos.device)[None, :]
+        allowed = positions <= group.query_pos
         if sliding_window is not None:
-            allowed &= positions > query_pos - sliding_window
-        plan.masks[key] = allowed[:, None, None, :]
-    return plan.masks[key]
+            allowed &= positions > group.query_pos - sliding_window
+        group.masks[sliding_window] = allowed[:, None, None, :]
+    return group.masks[sliding_window]
 
 
 def decode_attention(
     query: torch.Tensor,  # [B, num_heads, head_dim]: one query per sequence, at position seq_len - 1
     kv_cache: torch.Tensor,
-    plan: StepPlan,
+    group: DecodeGroup,
     layer: AttentionLayerParams,
 ) -> torch.Tensor:  # [B, num_heads, head_dim]
-    """All decoding sequences at once: whole blocks gathered, padded to the longest, padding masked out."""
+    """A group of decoding sequences at once: whole blocks gathered, padded to the longest, masked."""
     batch, num_heads, dim = query.shape
     block_size = kv_cache.shape[2]
     # [2, B, L, H_kv, D] with L = num_blocks * block_size: one row gather of whole blocks (index_select
     # copies contiguous rows, about twice as fast on CPU as advanced indexing), no per-token slots.
-    blocks = kv_cache.view(2, kv_cache.shape[1], -1).index_select(1, plan.decode_block_ids)
-    keys, values = blocks.view(2, batch, plan.decode_num_blocks * block_size, *kv_cache.shape[-2:])
-    allowed = decode_mask(plan, block_size, layer.spec.sliding_window)
+    blocks = kv_cache.view(2, kv_cache.shape[1], -1).index_select(1, group.block_ids)
+    keys, values = blocks.view(2, batch, group.num_blocks * block_size, *kv_cache.shape[-2:])
+    allowed = decode_mask(group, block_size, layer.spec.sliding_window)
     if layer.softcap is None:
         out = F.scaled_dot_product_attention(
             query[:, :, None, :],
@@ -139,16 +150,15 @@ class CpuAttentionBackend(AttentionBackend):
         else:
             write_kv(key, value, kv_cache, metadata.slot_mapping)
         out = torch.empty_like(query)
-        if plan.decode_rows is not None:
-            out[plan.decode_rows] = decode_attention(query[plan.decode_rows], kv_cache, plan, layer)
+        for group in plan.decode_groups:
+            out[group.rows] = decode_attention(query[group.rows], kv_cache, group, layer)
         window = layer.spec.sliding_window
         for i, begin, end, seq_len in plan.prefill_seqs:
             if end - begin == seq_len:  # a fresh prompt: its context is exactly this step's keys
                 k, v = key[begin:end], value[begin:end]
             else:
                 k, v = gather_kv(kv_cache, metadata.block_tables[i], seq_len)
-            mask_key = ("prefill", i, window)
-            if mask_key not in plan.masks:
-                plan.masks[mask_key] = causal_mask(end - begin, seq_len, window, query.device)
-            out[begin:end] = attend(query[begin:end], k, v, plan.masks[mask_key], layer)
+            if (i, window) not in plan.prefill_masks:
+                plan.prefill_masks[i, window] = causal_mask(end - begin, seq_len, window, query.device)
+            out[begin:end] = attend(query[begin:end], k, v, plan.prefill_masks[i, window], layer)
         return out

@@ -92,3 +92,10 @@ def test_all_decode_batch_matches_dense():
     contexts = [3, 8, 9, 64, 2]
     out, expected = run_backend(contexts, [1] * 5, 8, 2, 32, 4, None, None, seed=3)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (6, None), (None, 20.0)])
+def test_decode_groups_of_similar_lengths_match_dense(window, softcap):
+    contexts = [30, 31, 33, 29, 60, 61, 2, 3]  # three groups of similar block counts
+    out, expected = run_backend(contexts, [1] * len(contexts), 8, 2, 16, 8, window, softcap, seed=5)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
