@@ -77,6 +77,8 @@ class LLM:
         if output.new_logprobs and result.logprobs is not None:
             result.logprobs.extend(output.new_logprobs)
         result.num_cached_tokens = output.num_cached_tokens
+        if not stop and not output.finished:
+            return  # without stop strings the text is needed only once, at the end
         result.text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
         stop_at = _first_stop(result.text, stop)
         if stop_at is not None and not output.finished:

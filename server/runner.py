@@ -77,7 +77,7 @@ class ModelRunner:
         context = ForwardContext(self.backend, inputs.metadata, self.kv_caches, self.specs)
         with forward_context(context):
             logits = self.model(inputs.input_ids, inputs.positions, inputs.logits_indices)
-        return self._sample(logits, inputs.sampled_request_ids, scheduler_output)
+        return self._sample(logits, inputs.sampled_request_ids)
 
     def _update_states(self, out: SchedulerOutput) -> None:
         for request_id in out.finished_request_ids | out.preempted_request_ids:
@@ -140,9 +140,8 @@ class ModelRunner:
             sampled_request_ids=sampled,
         )
 
-    def _sample(self, logits: torch.Tensor, request_ids: list[str], out: SchedulerOutput) -> RunnerOutput:
-        for request_id in self._scheduled_ids(out):
-            self.requests[request_id].num_computed_tokens += out.num_scheduled_tokens[request_id]
+    def _sample(self, logits: torch.Tensor, request_ids: list[str]) -> RunnerOutput:
+        # num_computed_tokens is not advanced here: the next SchedulerOutput carries it.
         if not request_ids:
             return RunnerOutput()
         rows = [self._sampling_row(self.requests[r]) for r in request_ids]

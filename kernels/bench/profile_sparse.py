@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import torch
+from bench_attention import timed_ms  # this script's folder is on sys.path when run as a script
 
 from tgserve.kernels.sparse import estimate, kernel, lastq, pooled
 from tgserve.kernels.sparse.attention import estimate_index
@@ -23,21 +23,6 @@ from tgserve.kernels.sparse.index import build_index
 from tgserve.kernels.sparse.synthetic import planted_prompt
 
 HEADS, KV_HEADS, DIM, DTYPE = 32, 8, 128, torch.bfloat16
-
-
-def timed_ms(fn, warmup: int, iters: int) -> float:
-    """Median milliseconds of fn() measured with CUDA events."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def stages(n: int, iters: int, sweep: bool) -> dict[str, float]:
