@@ -21,20 +21,28 @@ def attend(
     query: torch.Tensor,  # [q_len, num_heads, head_dim]
     key: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
     value: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
-    allowed: torch.Tensor,  # [q_len, seq_len]
+    allowed: torch.Tensor | None,  # [q_len, seq_len]; None: plain causal over q_len == seq_len
     layer: AttentionLayerParams,
 ) -> torch.Tensor:  # [q_len, num_heads, head_dim]
-    """One sequence's queries against its context; SDPA unless scores need softcapping."""
+    """One sequence's queries against its context; SDPA unless scores need softcapping.
+
+    The inputs are made 4D: with 3D inputs torch's CPU SDPA takes its math path (20x slower at 1K
+    tokens than the flash path 4D inputs get), and without a mask its flash path skips the blocks
+    above the diagonal (1.5x faster than the same causal mask given explicitly).
+    """
     if layer.softcap is None:
         out = F.scaled_dot_product_attention(
-            query.transpose(0, 1),
-            key.transpose(0, 1).to(query.dtype),
-            value.transpose(0, 1).to(query.dtype),
-            attn_mask=allowed,
+            query.transpose(0, 1)[None],
+            key.transpose(0, 1).to(query.dtype)[None],
+            value.transpose(0, 1).to(query.dtype)[None],
+            attn_mask=None if allowed is None else allowed[None, None],
+            is_causal=allowed is None,
             scale=layer.scale,
             enable_gqa=True,
         )
-        return out.transpose(0, 1)
+        return out[0].transpose(0, 1)
+    if allowed is None:
+        allowed = causal_mask(query.shape[0], key.shape[0], device=query.device)
     return masked_attention(query, key, value, allowed, layer.scale, layer.softcap)
 
 
@@ -112,10 +120,13 @@ def decode_attention(
     """A group of decoding sequences at once: whole blocks gathered, padded to the longest, masked."""
     batch, num_heads, dim = query.shape
     block_size = kv_cache.shape[2]
-    # [2, B, L, H_kv, D] with L = num_blocks * block_size: one row gather of whole blocks (index_select
-    # copies contiguous rows, about twice as fast on CPU as advanced indexing), no per-token slots.
-    blocks = kv_cache.view(2, kv_cache.shape[1], -1).index_select(1, group.block_ids)
-    keys, values = blocks.view(2, batch, group.num_blocks * block_size, *kv_cache.shape[-2:])
+    # [B, L, H_kv, D] each, L = num_blocks * block_size: whole blocks gathered as rows of a 2D view,
+    # no per-token slots. index_select along dim 0 of a 2D tensor is a row memcpy (15 GB/s on two
+    # cores); along dim 1 of the [2, blocks, -1] view it ran at 2.8 GB/s.
+    shape = (batch, group.num_blocks * block_size, *kv_cache.shape[-2:])
+    keys, values = (
+        kv_cache[i].view(kv_cache.shape[1], -1).index_select(0, group.block_ids).view(shape) for i in (0, 1)
+    )
     allowed = decode_mask(group, block_size, layer.spec.sliding_window)
     if layer.softcap is None:
         out = F.scaled_dot_product_attention(
@@ -154,11 +165,18 @@ class CpuAttentionBackend(AttentionBackend):
             out[group.rows] = decode_attention(query[group.rows], kv_cache, group, layer)
         window = layer.spec.sliding_window
         for i, begin, end, seq_len in plan.prefill_seqs:
-            if end - begin == seq_len:  # a fresh prompt: its context is exactly this step's keys
+            fresh = end - begin == seq_len  # a fresh prompt: its context is exactly this step's keys
+            if fresh:
                 k, v = key[begin:end], value[begin:end]
             else:
                 k, v = gather_kv(kv_cache, metadata.block_tables[i], seq_len)
-            if (i, window) not in plan.prefill_masks:
-                plan.prefill_masks[i, window] = causal_mask(end - begin, seq_len, window, query.device)
-            out[begin:end] = attend(query[begin:end], k, v, plan.prefill_masks[i, window], layer)
+            if fresh and window is None:
+                allowed = None
+            elif (i, window) in plan.prefill_masks:
+                allowed = plan.prefill_masks[i, window]
+            else:
+                allowed = plan.prefill_masks[i, window] = causal_mask(
+                    end - begin, seq_len, window, query.device
+                )
+            out[begin:end] = attend(query[begin:end], k, v, allowed, layer)
         return out
