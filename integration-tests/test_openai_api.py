@@ -114,3 +114,31 @@ def test_logprobs_and_stop(client):
 
 def test_models_route(client):
     assert len(client.models.list().data) == 1
+
+
+@pytest.fixture(scope="module")
+def offline_prompt_logprobs(tiny_model):
+    from tgserve import LLM, SamplingParams
+
+    scored = SamplingParams(max_new_tokens=1, temperature=0.0, prompt_logprobs=2)
+    output = LLM(tiny_model).generate([PROMPTS[1]], scored)[0]
+    return output.prompt_token_ids, output.prompt_logprobs
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_scores_the_prompt(client, offline_prompt_logprobs, stream):
+    prompt_ids, expected = offline_prompt_logprobs
+    kwargs = dict(model="tiny", prompt=PROMPTS[1], max_tokens=3, temperature=0, echo=True, logprobs=2)
+    if stream:
+        chunks = [c for c in client.completions.create(stream=True, **kwargs) if c.choices]
+        logprobs = chunks[0].choices[0].logprobs  # the echo comes with the first chunk
+        assert chunks[0].choices[0].text.startswith(PROMPTS[1])
+    else:
+        response = client.completions.create(**kwargs)
+        logprobs = response.choices[0].logprobs
+        assert len(logprobs.token_logprobs) == len(prompt_ids) + 3
+    head = logprobs.token_logprobs[: len(prompt_ids)]
+    assert head[0] is None and logprobs.top_logprobs[0] is None
+    assert head[1:] == pytest.approx([e.logprob for e in expected[1:]], abs=1e-4)
+    # Keyed by token text, so two alternatives that print alike share an entry.
+    assert all(1 <= len(top) <= 2 for top in logprobs.top_logprobs[1 : len(prompt_ids)])

@@ -46,3 +46,17 @@ def test_return_full_text_and_stop(client):
         cut = client.text_generation("Water boils at", max_new_tokens=8, stop=[stop], details=True)
         assert cut.generated_text == whole[: whole.index(stop) + len(stop)]  # TGI keeps the stop sequence
         assert cut.details.finish_reason == "stop_sequence"
+
+
+def test_decoder_input_details_scores_the_prompt(client, tiny_model):
+    from tgserve import LLM, SamplingParams
+
+    prompt = "The capital of France is"
+    output = client.text_generation(prompt, max_new_tokens=3, details=True, decoder_input_details=True)
+    offline = LLM(tiny_model).generate([prompt], SamplingParams(max_new_tokens=1, prompt_logprobs=0))[0]
+    prefill = output.details.prefill
+    assert [t.id for t in prefill] == offline.prompt_token_ids
+    assert prefill[0].logprob is None
+    assert [t.logprob for t in prefill[1:]] == pytest.approx(
+        [e.logprob for e in offline.prompt_logprobs[1:]], abs=1e-4
+    )

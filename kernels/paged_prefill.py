@@ -163,6 +163,8 @@ def _launch(
         strides = (key.stride(0), key.stride(1), key.stride(2))
         block_size, table, table_stride = key.shape[1], block_tables, block_tables.stride(0)
     else:
+        if value.stride() != key.stride():  # the kernel reads both through key's strides
+            key, value = key.contiguous(), value.contiguous()
         strides = (key.stride(0), 0, key.stride(1))
         block_size, table, table_stride = 1, query_start_loc, 0
     _prefill_kernel[(grid, num_kv_heads)](

@@ -19,7 +19,7 @@ from tgserve.router.errors import OverloadedError, RouterError
 from tgserve.router.metrics import RouterMetrics
 from tgserve.router.tokenization import RouterTokenizer
 from tgserve.router.validation import GenerationSpec
-from tgserve.server.outputs import RequestOutput
+from tgserve.server.outputs import RequestOutput, TokenLogprob
 from tgserve.server.sampling_params import SamplingParams
 
 
@@ -56,6 +56,7 @@ class SequenceState:
         self.detokenizer = IncrementalDetokenizer(tokenizer.decode, spec.prompt_token_ids)
         self.stop_checker = StopChecker(spec.stop, include_stop=spec.include_stop)
         self.tokens: list[TokenInfo] = []
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked, with the first token
         self.text = ""
         self.finish_reason: str | None = None
 
@@ -67,6 +68,8 @@ class SequenceState:
         """Turn one engine delta into tokens and shown text; a stop string ends the sequence here."""
         new_tokens: list[TokenInfo] = []
         shown = ""
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
         for position, token_id in enumerate(output.new_token_ids):
             token = self._token(token_id, output, position)
             new_tokens.append(token)
@@ -143,6 +146,13 @@ class Generation:
         self.num_prompt_tokens = sum(spec.num_prompt_tokens for spec in specs)
         self.sequences: list[SequenceState] = []
         self.submitted_at = self.started_at
+
+    def prompt_logprobs(self, prompt_index: int) -> list[TokenLogprob | None] | None:
+        """The prompt's scored tokens, from whichever of its sequences was asked to score it."""
+        for seq in self.sequences:
+            if seq.prompt_index == prompt_index and seq.prompt_logprobs is not None:
+                return seq.prompt_logprobs
+        return None
 
     def submit(self) -> None:
         base = uuid.uuid4().hex

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from typing import Any
 
 from tgserve.router.generation import Generation, SequenceState, TokenInfo
 from tgserve.router.tokenization import RouterTokenizer
+from tgserve.server.outputs import TokenLogprob
 
 # TGI's finish reasons, in OpenAI's words.
 FINISH_REASONS = {"eos_token": "stop", "stop_sequence": "stop", "length": "length", "abort": "abort"}
@@ -55,13 +57,23 @@ def best_sequences(generation: Generation, prompt_index: int, n: int) -> list[Se
 
 
 def completion_logprobs(
-    tokenizer: RouterTokenizer, tokens: list[TokenInfo], text_offset: int, prompt_ids: list[int] | None = None
+    tokenizer: RouterTokenizer,
+    tokens: list[TokenInfo],
+    text_offset: int,
+    prompt_ids: list[int] | None = None,
+    prompt_logprobs: list[TokenLogprob | None] | None = None,
 ) -> dict[str, Any]:
-    """The legacy completions logprobs object; echoed prompt tokens carry null (no prompt logprobs)."""
+    """The legacy completions logprobs object; with echo, the prompt's tokens come first (the
+    first one, which nothing predicts, with null)."""
     result: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for token_id in prompt_ids or []:
+    prompt_ids = prompt_ids or []
+    for token_id, entry in zip(prompt_ids, prompt_logprobs or [None] * len(prompt_ids), strict=True):
         text = tokenizer.token_text(token_id)
-        _append_logprob(result, text, None, None, text_offset)
+        logprob, top = None, None
+        if entry is not None:
+            logprob = entry.logprob if math.isfinite(entry.logprob) else None
+            top = {tokenizer.token_text(i): lp for i, lp in entry.top if math.isfinite(lp)}
+        _append_logprob(result, text, logprob, top, text_offset)
         text_offset += len(text)
     for token in tokens:
         text = tokenizer.token_text(token.id)

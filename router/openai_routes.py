@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -75,6 +76,8 @@ def completion_specs(state: RouterState, request: CompletionRequest) -> list[Gen
     # best_of ranks sequences by log-probability, so it needs them even when the client does not.
     logprobs = request.logprobs if request.logprobs is not None else (0 if best_of > request.n else None)
     knobs = openai_knobs(request, state.config, request.max_tokens, logprobs, best_of)
+    if request.echo and request.logprobs is not None:  # echoed prompt tokens carry theirs too
+        knobs = dataclasses.replace(knobs, prompt_logprobs=request.logprobs)
     return [build_spec(state.config, state.tokenizer, ids, knobs, include_stop=False) for ids in prompts]
 
 
@@ -85,9 +88,16 @@ def completion_body(state: RouterState, request: CompletionRequest, generation: 
         prefix = state.tokenizer.decode(spec.prompt_token_ids) if request.echo else ""
         for seq_index, seq in enumerate(fmt.best_sequences(generation, prompt_index, request.n)):
             logprobs = None
-            if request.logprobs is not None:
-                echoed = spec.prompt_token_ids if request.echo else None
-                logprobs = fmt.completion_logprobs(state.tokenizer, seq.tokens, 0, echoed)
+            if request.logprobs is not None and request.echo:
+                logprobs = fmt.completion_logprobs(
+                    state.tokenizer,
+                    seq.tokens,
+                    0,
+                    spec.prompt_token_ids,
+                    generation.prompt_logprobs(prompt_index),
+                )
+            elif request.logprobs is not None:
+                logprobs = fmt.completion_logprobs(state.tokenizer, seq.tokens, 0)
             index = prompt_index * request.n + seq_index
             choices.append(fmt.completion_choice(index, prefix + seq.text, logprobs, seq.finish_reason))
     body["choices"] = choices
@@ -105,12 +115,21 @@ async def completion_events(
         async for prompt_index, delta in generation.deltas():
             index = prompt_index * request.n + delta.index
             text = delta.text
-            if index not in offsets and request.echo:
+            echoed = request.echo and index not in offsets
+            if echoed:
                 text = state.tokenizer.decode(generation.specs[prompt_index].prompt_token_ids) + text
             offset = offsets.get(index, 0)
             offsets[index] = offset + len(text)
             logprobs = None
-            if request.logprobs is not None and delta.tokens:
+            if request.logprobs is not None and echoed:
+                logprobs = fmt.completion_logprobs(
+                    state.tokenizer,
+                    delta.tokens,
+                    offset,
+                    generation.specs[prompt_index].prompt_token_ids,
+                    generation.prompt_logprobs(prompt_index),
+                )
+            elif request.logprobs is not None and delta.tokens:
                 logprobs = fmt.completion_logprobs(state.tokenizer, delta.tokens, offset)
             if not text and logprobs is None and delta.finish_reason is None:
                 continue

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -12,8 +13,9 @@ from tgserve.router.errors import RouterError
 from tgserve.router.generation import Generation, SequenceState, TokenInfo
 from tgserve.router.http import EventStreamResponse, parse_json, sse, until_disconnected
 from tgserve.router.state import RouterState, router_state, start_generation
-from tgserve.router.tgi_schemas import TGIParameters, TGIRequest, tgi_knobs
+from tgserve.router.tgi_schemas import TGIRequest, tgi_knobs
 from tgserve.router.validation import GenerationSpec, build_spec
+from tgserve.server.outputs import TokenLogprob
 
 router = APIRouter()
 
@@ -43,22 +45,33 @@ def full_text(request: TGIRequest, seq: SequenceState) -> str:
     return request.inputs + seq.text if request.parameters.return_full_text else seq.text
 
 
+def prefill_json(
+    state: RouterState, spec: GenerationSpec, scored: list[TokenLogprob | None] | None
+) -> list[dict[str, Any]]:
+    """decoder_input_details: each prompt token with its log-probability (null for the first)."""
+    scored = scored or [None] * spec.num_prompt_tokens
+    return [
+        {
+            "id": token_id,
+            "text": state.tokenizer.token_text(token_id),
+            "logprob": entry.logprob if entry is not None and math.isfinite(entry.logprob) else None,
+        }
+        for token_id, entry in zip(spec.prompt_token_ids, scored, strict=True)
+    ]
+
+
 def sequence_details(
-    state: RouterState, params: TGIParameters, spec: GenerationSpec, seq: SequenceState
+    state: RouterState, seq: SequenceState, prefill: list[dict[str, Any]], top_n_tokens: int | None
 ) -> dict[str, Any]:
     """TGI's `details` (or one of its `best_of_sequences`, which also carry generated_text)."""
     details: dict[str, Any] = {
         "finish_reason": seq.finish_reason,
         "generated_tokens": len(seq.tokens),
         "seed": seq.params.seed,
-        # The engine computes no prompt log-probabilities: prefill tokens carry logprob null.
-        "prefill": [
-            {"id": i, "text": state.tokenizer.token_text(i), "logprob": None}
-            for i in (spec.prompt_token_ids if params.decoder_input_details else [])
-        ],
+        "prefill": prefill,
         "tokens": [token_json(t) for t in seq.tokens],
     }
-    if params.top_n_tokens:
+    if top_n_tokens:
         details["top_tokens"] = [top_tokens_json(state, t) for t in seq.tokens]
     return details
 
@@ -75,10 +88,16 @@ def generate_response(state: RouterState, request: TGIRequest, generation: Gener
     body: dict[str, Any] = {"generated_text": full_text(request, best)}
     params = request.parameters
     if params.details:
-        details = sequence_details(state, params, spec, best)
+        prefill = (
+            prefill_json(state, spec, generation.prompt_logprobs(0)) if params.decoder_input_details else []
+        )
+        details = sequence_details(state, best, prefill, params.top_n_tokens)
         if len(sequences) > 1:
             details["best_of_sequences"] = [
-                {"generated_text": full_text(request, seq), **sequence_details(state, params, spec, seq)}
+                {
+                    "generated_text": full_text(request, seq),
+                    **sequence_details(state, seq, prefill, params.top_n_tokens),
+                }
                 for seq in sequences[1:]
             ]
         body["details"] = details

@@ -116,5 +116,6 @@ def tgi_knobs(params: TGIParameters, config: RouterConfig, stream: bool) -> Knob
         seed=params.seed,
         stop=tuple(params.stop or ()),
         logprobs=logprobs,
+        prompt_logprobs=0 if params.decoder_input_details else None,
         n=best_of,
     )

@@ -35,6 +35,7 @@ class Knobs:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; n: the chosen token's and the n best alternatives'
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (TGI prefill, OpenAI echo)
     logit_bias: dict[int, float] = field(default_factory=dict)
     n: int = 1  # engine requests for this prompt (OpenAI's n, TGI's best_of)
 
@@ -102,7 +103,9 @@ def sequence_seeds(knobs: Knobs) -> list[int | None]:
     return [(knobs.seed + i) % (MAX_SEED + 1) for i in range(knobs.n)]
 
 
-def make_params(knobs: Knobs, max_new_tokens: int, seed: int | None) -> SamplingParams:
+def make_params(
+    knobs: Knobs, max_new_tokens: int, seed: int | None, prompt_logprobs: int | None = None
+) -> SamplingParams:
     """SamplingParams checks its own ranges; its message becomes the client's."""
     try:
         return SamplingParams(
@@ -120,6 +123,7 @@ def make_params(knobs: Knobs, max_new_tokens: int, seed: int | None) -> Sampling
             stop=knobs.stop,
             ignore_eos=knobs.ignore_eos,
             logprobs=knobs.logprobs,
+            prompt_logprobs=prompt_logprobs,
             logit_bias=dict(knobs.logit_bias),
         )
     except InvalidRequestError as exc:
@@ -138,5 +142,9 @@ def build_spec(
     tokenizer.check_ids(prompt_token_ids, "prompt")
     tokenizer.check_ids(list(knobs.logit_bias), "logit_bias")
     tokenizer.check_ids(list(knobs.stop_token_ids), "stop_token_ids")
-    params = [make_params(knobs, max_new_tokens, seed) for seed in sequence_seeds(knobs)]
+    # The prompt is scored once, by the first of its sequences: the others share its answer.
+    params = [
+        make_params(knobs, max_new_tokens, seed, knobs.prompt_logprobs if i == 0 else None)
+        for i, seed in enumerate(sequence_seeds(knobs))
+    ]
     return GenerationSpec(list(prompt_token_ids), params, tuple(knobs.stop), include_stop)

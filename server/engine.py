@@ -7,6 +7,7 @@ loop, so it cannot stop the engine from serving the others.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -14,20 +15,27 @@ from typing import Any
 
 import torch
 
-from tgserve.server.attention.cpu import CpuAttentionBackend
+from tgserve.kernels.sparse.config import SparseConfig, load_sparse_config
+from tgserve.server.attention.backend import attention_backend
 from tgserve.server.config import SchedulerConfig
 from tgserve.server.core.request import FinishReason, Request
 from tgserve.server.core.scheduler import Scheduler
+from tgserve.server.cuda_graphs import DecodeGraphs
 from tgserve.server.kv_cache import allocate_kv_caches, kv_cache_specs, num_blocks_for_memory
 from tgserve.server.loader import ModelSource, load_config, load_tokenizer, resolve_model
+from tgserve.server.memory import MemoryProfile, profile_kv_budget
 from tgserve.server.model_loader import load_model
-from tgserve.server.outputs import EngineStats, RequestOutput
+from tgserve.server.outputs import EngineStats, RequestOutput, TokenLogprob
 from tgserve.server.runner import ModelRunner, RunnerOutput
 from tgserve.server.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_BYTES = 2 << 30
+SPARSE_CONFIG_FILE = "sparse_attention.json"
+# Captured decode graphs size their context splits for this many tokens; longer contexts stay
+# correct (the last split runs to the end) but use fewer parallel splits.
+GRAPH_CONTEXT_BOUND = 8192
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -49,6 +57,14 @@ class EngineArgs:
     trust_remote_code: bool = False
     allow_pickle: bool = False
     force_transformers_fallback: bool = False
+    load_format: str = "auto"  # "dummy": random weights from the config alone (benchmarks)
+    # CUDA only
+    gpu_memory_utilization: float = 0.9  # share of the GPU the engine may fill; the KV pool gets the rest
+    cuda_graphs: bool = True  # decode steps replay captured graphs (batch sizes up to max_cuda_graph_batch)
+    max_cuda_graph_batch: int = 256
+    sparse_prefill: bool = True  # prompts of at least sparse_min_seq_len tokens take sparse attention
+    sparse_config: str | None = None  # per-layer head patterns (JSON); default: the model's own, if any
+    sparse_min_seq_len: int | None = None  # overrides the config's threshold
 
 
 def resolve_device(name: str) -> torch.device:
@@ -113,12 +129,14 @@ class LLMEngine:
             args.trust_remote_code,
             args.allow_pickle,
             args.force_transformers_fallback,
+            args.load_format,
         )
         self.specs = kv_cache_specs(self.config, self.dtype)
-        self.num_blocks = args.num_blocks or num_blocks_for_memory(
-            self.specs, args.block_size, args.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
-        )
-        kv_caches = allocate_kv_caches(self.specs, self.num_blocks, args.block_size, self.device)
+        backend = attention_backend(self.device, self._sparse_config())
+        self.runner = ModelRunner(model, [], self.specs, backend, args.block_size, self.device)
+        self.memory_profile: MemoryProfile | None = None
+        self.num_blocks = self._size_kv_pool()
+        self.runner.kv_caches = allocate_kv_caches(self.specs, self.num_blocks, args.block_size, self.device)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=args.max_num_batched_tokens,
@@ -129,10 +147,11 @@ class LLMEngine:
                 enable_prefix_caching=args.enable_prefix_caching,
             )
         )
-        self.runner = ModelRunner(
-            model, kv_caches, self.specs, CpuAttentionBackend(), args.block_size, self.device
-        )
+        if self.device.type == "cuda" and args.cuda_graphs:
+            self._capture_graphs()
         self._last_step = (0, 0)
+        # Prompt log-probabilities gathered over a request's prefill chunks, sent with its first token.
+        self._prompt_logprobs: dict[str, list[TokenLogprob]] = {}
         logger.info(
             "engine ready: %s, %d KV blocks of %d tokens",
             self.source.display_name,
@@ -140,12 +159,67 @@ class LLMEngine:
             args.block_size,
         )
 
+    # -- set-up -----------------------------------------------------------------------------------
+
+    def _sparse_config(self) -> SparseConfig | None:
+        """Sparse prefill patterns: the given file, else the model's `sparse_attention.json`, else defaults."""
+        if not self.args.sparse_prefill or self.device.type != "cuda":
+            return None
+        path = self.args.sparse_config
+        if path is None and (self.source.directory / SPARSE_CONFIG_FILE).is_file():
+            path = str(self.source.directory / SPARSE_CONFIG_FILE)
+        config = load_sparse_config(path)
+        if self.args.sparse_min_seq_len is not None:
+            config = dataclasses.replace(config, min_seq_len=self.args.sparse_min_seq_len)
+        return config
+
+    def _size_kv_pool(self) -> int:
+        """Blocks in the KV pool: as given, else what the profiled GPU memory or the CPU budget holds."""
+        args = self.args
+        if args.num_blocks:
+            return args.num_blocks
+        if self.device.type != "cuda" or args.kv_cache_memory_bytes:
+            memory = args.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
+            return num_blocks_for_memory(self.specs, args.block_size, memory)
+        self.runner.kv_caches = allocate_kv_caches(self.specs, 1, args.block_size, self.device)
+        self.memory_profile = profile_kv_budget(
+            self.runner.forward,
+            args.max_num_batched_tokens,
+            args.max_num_seqs,
+            args.block_size,
+            args.gpu_memory_utilization,
+            self.device,
+        )
+        self.runner.kv_caches = []
+        logger.info(self.memory_profile.describe())
+        return num_blocks_for_memory(self.specs, args.block_size, self.memory_profile.kv_budget_bytes)
+
+    def _capture_graphs(self) -> None:
+        block_size = self.args.block_size
+        graphs = DecodeGraphs(
+            self.runner.forward,
+            max_batch=min(self.args.max_num_seqs, self.args.max_cuda_graph_batch),
+            max_blocks_per_seq=-(-self.max_model_len // block_size),
+            block_size=block_size,
+            context_bound=min(self.max_model_len, GRAPH_CONTEXT_BOUND),
+            device=self.device,
+        )
+        try:
+            graphs.capture()
+        except RuntimeError as exc:  # e.g. host copies or data-dependent shapes in a model's code
+            torch.cuda.synchronize(self.device)
+            logger.warning("CUDA graphs are off: this model's decode step cannot be captured (%s)", exc)
+            return
+        self.runner.graphs = graphs
+
     # -- requests -------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Validate and queue a request; raises InvalidRequestError naming the problem and the limit."""
         self._validate(request_id, prompt_token_ids)
         self.scheduler.add_request(Request(request_id, prompt_token_ids, params, self.eos_token_ids))
+        if params.prompt_logprobs is not None:
+            self._prompt_logprobs[request_id] = []
 
     def _validate(self, request_id: str, prompt: list[int]) -> None:
         if self.scheduler.get_request(request_id) is not None:
@@ -169,11 +243,15 @@ class LLMEngine:
             )
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
-        self.scheduler.abort_requests(list(request_ids))
+        request_ids = list(request_ids)
+        self.scheduler.abort_requests(request_ids)
+        for request_id in request_ids:
+            self._prompt_logprobs.pop(request_id, None)
 
     def finish_request(self, request_id: str, reason: str | FinishReason) -> None:
         """End a request early, e.g. with "stop_sequence" when a stop string was found downstream."""
         self.scheduler.finish_request(request_id, FinishReason(reason))
+        self._prompt_logprobs.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -193,12 +271,25 @@ class LLMEngine:
             len(scheduler_output.num_scheduled_tokens),
         )
         updated = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
+        self._collect_prompt_logprobs(runner_output)
         return [self._output(request, runner_output) for request in updated]
 
-    @staticmethod
-    def _output(request: Request, runner_output: RunnerOutput) -> RequestOutput:
+    def _collect_prompt_logprobs(self, runner_output: RunnerOutput) -> None:
+        for request_id, (first, scored) in runner_output.prompt_logprobs.items():
+            collected = self._prompt_logprobs.get(request_id)
+            if collected is None:
+                continue
+            # Position p of the prompt is entry p - 1. A preempted request recomputes its prompt:
+            # positions already collected are skipped.
+            collected.extend(scored[len(collected) - (first - 1) :])
+
+    def _output(self, request: Request, runner_output: RunnerOutput) -> RequestOutput:
         sampled = request.request_id in runner_output.sampled_token_ids
         logprob = runner_output.logprobs.get(request.request_id)
+        prompt_logprobs = None
+        if sampled or request.is_finished:
+            collected = self._prompt_logprobs.pop(request.request_id, None)
+            prompt_logprobs = None if collected is None else [None, *collected]
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=[request.output_token_ids[-1]] if sampled else [],
@@ -208,6 +299,7 @@ class LLMEngine:
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=max(0, request.num_cached_tokens),
             num_output_tokens=request.num_output_tokens,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def stats(self) -> EngineStats:

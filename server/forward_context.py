@@ -55,5 +55,5 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention for layer `layer_idx` of the current step, reading and writing its KV view."""
     ctx = get_forward_context()
-    layer = AttentionLayerParams(ctx.specs[layer_idx], scale, softcap)
+    layer = AttentionLayerParams(ctx.specs[layer_idx], scale, softcap, layer_idx)
     return ctx.backend.forward(query, key, value, ctx.kv_caches[layer_idx], ctx.metadata, layer)

@@ -24,6 +24,7 @@ class CompletionOutput:
     text: str = ""
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # None first: nothing predicts token 0
     num_cached_tokens: int = 0
 
 
@@ -77,6 +78,8 @@ class LLM:
         if output.new_logprobs and result.logprobs is not None:
             result.logprobs.extend(output.new_logprobs)
         result.num_cached_tokens = output.num_cached_tokens
+        if output.prompt_logprobs is not None:
+            result.prompt_logprobs = output.prompt_logprobs
         if not stop and not output.finished:
             return  # without stop strings the text is needed only once, at the end
         result.text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)

@@ -21,11 +21,20 @@ def load_model(
     trust_remote_code: bool = False,
     allow_pickle: bool = False,
     force_fallback: bool = False,
+    load_format: str = "auto",
 ) -> nn.Module:
-    """A module with `forward(input_ids [T], positions [T], logits_indices [N]) -> logits [N, vocab]`."""
+    """A module with `forward(input_ids [T], positions [T], logits_indices [N]) -> logits [N, vocab]`.
+
+    load_format "dummy" skips the checkpoint and fills the weights with small random values (as
+    vLLM's dummy format does): a model of any size benchmarked from its config alone.
+    """
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     architecture = architecture_name(config)
     check_supported(architecture, trust_remote_code)
     native = None if force_fallback else native_model_class(architecture)
+    if native is None and load_format == "dummy":
+        raise ModelLoadError(f"load_format 'dummy' needs a native architecture; {architecture} is not one")
     if native is None:
         from tgserve.server.models.hf_fallback import load_fallback_model
 
@@ -39,8 +48,19 @@ def load_model(
         except (OSError, ValueError, RuntimeError) as exc:
             raise ModelLoadError(f"cannot load {source.display_name} through transformers: {exc}") from exc
     model = _construct(native, config, dtype, device)
-    model.load_weights(_checkpoint_weights(source, config, device, allow_pickle))
+    if load_format == "dummy":
+        _fill_dummy_weights(model)
+    else:
+        model.load_weights(_checkpoint_weights(source, config, device, allow_pickle))
     return model.to(dtype).eval()
+
+
+@torch.no_grad()
+def _fill_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Uniform in [-1e-3, 1e-3]: small enough that activations stay finite through any depth."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for param in model.parameters():
+        param.uniform_(-1e-3, 1e-3, generator=generator)
 
 
 def _construct(model_class: type, config: Any, dtype: torch.dtype, device: torch.device) -> nn.Module:
@@ -48,7 +68,10 @@ def _construct(model_class: type, config: Any, dtype: torch.dtype, device: torch
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            return model_class(config)
+            model = model_class(config)
+        # Buffers some constructors build on the CPU whatever the default device (e.g. RoPE
+        # frequencies from transformers' scaled-RoPE helpers) join the parameters.
+        return model.to(device)
     finally:
         torch.set_default_dtype(previous)
 

@@ -19,6 +19,8 @@ class RequestOutput:
     """A delta: the tokens a request gained in one step (usually one), and whether it has finished.
 
     finish_reason is None while running, else "length", "eos_token", "stop_sequence" or "abort".
+    prompt_logprobs, when the request asked for them, comes once, with its first token: one entry
+    per prompt token, None for the first.
     """
 
     request_id: str
@@ -29,6 +31,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(frozen=True)

@@ -14,11 +14,13 @@ from torch import nn
 from tgserve.server.attention.backend import AttentionBackend
 from tgserve.server.attention.metadata import AttentionMetadata
 from tgserve.server.core.scheduler_output import SchedulerOutput
+from tgserve.server.cuda_graphs import DecodeGraphs
 from tgserve.server.forward_context import ForwardContext, forward_context
 from tgserve.server.kv_cache import KVCacheSpec
 from tgserve.server.outputs import TokenLogprob
-from tgserve.server.sampler import Sampler, SamplingRow
+from tgserve.server.sampler import Sampler, SamplingRow, token_logprobs
 from tgserve.server.sampling_params import SamplingParams
+from tgserve.server.transfer import to_device
 
 
 @dataclass
@@ -36,6 +38,17 @@ class RunnerOutput:
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    # request id -> (position of the first prompt token scored, its log-probability and the next ones')
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
+
+
+@dataclass
+class PromptLogprobRows:
+    """Which logits rows score which prompt tokens this step (rows after the sampled ones)."""
+
+    spans: list[tuple[str, int, int]] = field(default_factory=list)  # (request, first position, count)
+    target_ids: list[int] = field(default_factory=list)
+    top_n: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -45,6 +58,7 @@ class StepInputs:
     logits_indices: torch.Tensor
     metadata: AttentionMetadata
     sampled_request_ids: list[str]
+    prompt_rows: PromptLogprobRows
 
 
 class ModelRunner:
@@ -67,6 +81,7 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         self.requests: dict[str, RunnerRequestState] = {}
+        self.graphs: DecodeGraphs | None = None  # set by the engine on CUDA when graphs are on
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
@@ -74,10 +89,40 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return RunnerOutput()
         inputs = self._prepare_inputs(scheduler_output)
-        context = ForwardContext(self.backend, inputs.metadata, self.kv_caches, self.specs)
+        if self._fits_graph(inputs):
+            meta = inputs.metadata
+            logits = self.graphs.run(
+                inputs.input_ids, inputs.positions, meta.slot_mapping, meta.seq_lens, meta.block_tables
+            )
+        else:
+            logits = self.forward(inputs.input_ids, inputs.positions, inputs.metadata, inputs.logits_indices)
+        num_sampled = len(inputs.sampled_request_ids)
+        result = self._sample(logits[:num_sampled], inputs.sampled_request_ids)
+        result.prompt_logprobs = self._score_prompt(logits[num_sampled:], inputs.prompt_rows)
+        return result
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """The model over one flat batch, its layers reaching the backend and KV through the context."""
+        context = ForwardContext(self.backend, metadata, self.kv_caches, self.specs)
         with forward_context(context):
-            logits = self.model(inputs.input_ids, inputs.positions, inputs.logits_indices)
-        return self._sample(logits, inputs.sampled_request_ids)
+            return self.model(input_ids, positions, logits_indices)
+
+    def _fits_graph(self, inputs: StepInputs) -> bool:
+        """A pure decode step (one token per sequence, each sampled) that a captured graph covers."""
+        num_seqs = inputs.metadata.num_seqs
+        return (
+            self.graphs is not None
+            and not inputs.prompt_rows.spans
+            and inputs.input_ids.shape[0] == num_seqs == len(inputs.sampled_request_ids)
+            and self.graphs.can_run(num_seqs, inputs.metadata.block_tables.shape[1])
+        )
 
     def _update_states(self, out: SchedulerOutput) -> None:
         for request_id in out.finished_request_ids | out.preempted_request_ids:
@@ -105,6 +150,7 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         query_start_loc, seq_lens, logits_indices, sampled = [0], [], [], []
+        prompt_rows, prompt_indices = PromptLogprobRows(), []
         block_rows = []
         bs = self.block_size
         for request_id in self._scheduled_ids(out):
@@ -120,25 +166,45 @@ class ModelRunner:
             if end == len(state.token_ids):
                 logits_indices.append(query_start_loc[-1] - 1)
                 sampled.append(request_id)
+            scored_end = min(end, state.num_prompt_tokens - 1)  # position p's logits score token p + 1
+            if state.params.prompt_logprobs is not None and start < scored_end:
+                prompt_rows.spans.append((request_id, start + 1, scored_end - start))
+                prompt_rows.target_ids.extend(state.token_ids[start + 1 : scored_end + 1])
+                prompt_rows.top_n.extend([state.params.prompt_logprobs] * (scored_end - start))
+                prompt_indices.extend(range(query_start_loc[-2], query_start_loc[-2] + scored_end - start))
         width = max(len(row) for row in block_rows)
         tables = [row + [0] * (width - len(row)) for row in block_rows]
-        dev = self.device
         metadata = AttentionMetadata(
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=to_device(query_start_loc, torch.int32, self.device),
+            seq_lens=to_device(seq_lens, torch.int32, self.device),
+            block_tables=to_device(tables, torch.int32, self.device),
+            slot_mapping=to_device(slots, torch.int64, self.device),
             query_start_loc_cpu=query_start_loc,
             seq_lens_cpu=seq_lens,
             block_size=bs,
         )
         return StepInputs(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
+            input_ids=to_device(ids, torch.int64, self.device),
+            positions=to_device(positions, torch.int64, self.device),
+            logits_indices=to_device(logits_indices + prompt_indices, torch.int64, self.device),
             metadata=metadata,
             sampled_request_ids=sampled,
+            prompt_rows=prompt_rows,
         )
+
+    @staticmethod
+    def _score_prompt(
+        logits: torch.Tensor, rows: PromptLogprobRows
+    ) -> dict[str, tuple[int, list[TokenLogprob]]]:
+        if not rows.spans:
+            return {}
+        targets = torch.tensor(rows.target_ids, dtype=torch.int64, device=logits.device)
+        scored = token_logprobs(logits, targets, rows.top_n)
+        result, offset = {}, 0
+        for request_id, first, count in rows.spans:
+            result[request_id] = (first, scored[offset : offset + count])
+            offset += count
+        return result
 
     def _sample(self, logits: torch.Tensor, request_ids: list[str]) -> RunnerOutput:
         # num_computed_tokens is not advanced here: the next SchedulerOutput carries it.

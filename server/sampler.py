@@ -19,6 +19,7 @@ import torch
 
 from tgserve.server.outputs import TokenLogprob
 from tgserve.server.sampling_params import SamplingParams
+from tgserve.server.transfer import pinned_to, to_device
 
 _MASK64 = (1 << 64) - 1
 _NEG_INF = float("-inf")
@@ -73,14 +74,14 @@ def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
     if not entries:
         return logits
     row_idx, tok_idx, bias = zip(*entries, strict=True)
-    index = (torch.tensor(row_idx, device=logits.device), torch.tensor(tok_idx, device=logits.device))
-    values = torch.tensor(bias, dtype=logits.dtype, device=logits.device)
+    index = (to_device(row_idx, torch.int64, logits.device), to_device(tok_idx, torch.int64, logits.device))
+    values = to_device(bias, logits.dtype, logits.device)
     return logits.index_put(index, values, accumulate=True)
 
 
 def _param(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
     """[B, 1] per-row parameters in the logits' dtype, converted from Python floats as transformers' scalars are."""
-    return torch.tensor(values, dtype=like.dtype, device=like.device)[:, None]
+    return to_device(values, like.dtype, like.device)[:, None]
 
 
 def _token_counts(token_lists: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -88,10 +89,10 @@ def _token_counts(token_lists: Sequence[Sequence[int]], vocab: int, device: torc
     lengths = [len(t) for t in token_lists]
     # np.fromiter is ~5x faster than torch.tensor(list) on the long prompt lists penalties need.
     ids = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int64, count=sum(lengths))
-    flat = torch.from_numpy(ids).to(device)
+    flat = pinned_to(torch.from_numpy(ids), device)
     row_idx = torch.repeat_interleave(
         torch.arange(len(token_lists), device=device),
-        torch.tensor(lengths, device=device),
+        to_device(lengths, torch.int64, device),
         output_size=len(ids),
     )
     # Ids past the lm_head (padded embedding tables) land in a spare column that is dropped, as in transformers.
@@ -148,7 +149,7 @@ def top_k_filter(logits: torch.Tensor, top_k: Sequence[int]) -> torch.Tensor:
     vocab = logits.shape[-1]
     k = [min(v, vocab) for v in top_k]
     top = torch.topk(logits, max(k), dim=-1).values
-    kth = top.gather(1, torch.tensor(k, device=logits.device)[:, None] - 1)
+    kth = top.gather(1, to_device(k, torch.int64, logits.device)[:, None] - 1)
     return logits.masked_fill(logits < kth, _NEG_INF)
 
 
@@ -203,7 +204,7 @@ def warp(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor
         if len(active) == len(values):
             logits = fn(logits, values)
         else:
-            index = torch.tensor(active, device=logits.device)
+            index = to_device(active, torch.int64, logits.device)
             logits = logits.index_copy(0, index, fn(logits[index], [values[i] for i in active]))
     return logits
 
@@ -233,7 +234,7 @@ class Sampler:
         if len(sampled) == len(rows):
             token_ids = self._sample(x, rows)
         elif sampled:
-            index = torch.tensor(sampled, device=x.device)
+            index = to_device(sampled, torch.int64, x.device)
             token_ids[index] = self._sample(x[index], [rows[i] for i in sampled])
         return SamplerOutput(token_ids, compute_logprobs(logits, token_ids, rows))
 
@@ -262,15 +263,26 @@ def compute_logprobs(
     out: list[TokenLogprob | None] = [None] * len(rows)
     if not wanted:
         return out
-    index = torch.tensor(wanted, device=logits.device)
-    log_probs = torch.log_softmax(logits[index].float(), dim=-1)
-    chosen = log_probs.gather(1, token_ids[index][:, None]).squeeze(1).tolist()
-    chosen_ids = token_ids[index].tolist()
-    n = min(max(rows[i].params.logprobs or 0 for i in wanted), logits.shape[-1])
+    index = to_device(wanted, torch.int64, logits.device)
+    found = token_logprobs(logits[index], token_ids[index], [rows[i].params.logprobs or 0 for i in wanted])
+    for i, logprob in zip(wanted, found, strict=True):
+        out[i] = logprob
+    return out
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_n: Sequence[int]) -> list[TokenLogprob]:
+    """Per row of logits: the log-probability of token_ids[row] and the row's top_n[row] alternatives."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = log_probs.gather(1, token_ids[:, None]).squeeze(1).tolist()
+    chosen_ids = token_ids.tolist()
+    n = min(max(top_n, default=0), logits.shape[-1])
     top_values, top_ids = torch.topk(log_probs, n, dim=-1) if n else (log_probs[:, :0], log_probs[:, :0])
     top_values, top_ids = top_values.tolist(), top_ids.long().tolist()
-    for j, i in enumerate(wanted):
-        k = rows[i].params.logprobs or 0
-        top = list(zip(top_ids[j][:k], top_values[j][:k], strict=True))
-        out[i] = TokenLogprob(token_id=chosen_ids[j], logprob=chosen[j], top=top)
-    return out
+    return [
+        TokenLogprob(
+            token_id=chosen_ids[j],
+            logprob=chosen[j],
+            top=list(zip(top_ids[j][:k], top_values[j][:k], strict=True)),
+        )
+        for j, k in enumerate(top_n)
+    ]

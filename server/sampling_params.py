@@ -20,6 +20,8 @@ class SamplingParams:
 
     temperature 0 means greedy. `logprobs=None` returns no log-probabilities; `logprobs=n` returns
     the chosen token's log-probability and the n most likely alternatives (n may be 0).
+    `prompt_logprobs=n` does the same for every prompt token after the first (the first has no
+    context to be predicted from); such a request computes its whole prompt, bypassing the prefix cache.
     Log-probabilities are those of the model's own distribution, before any penalty or warper.
     """
 
@@ -37,6 +39,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -61,6 +64,10 @@ class SamplingParams:
             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
         )
         _check(self.logprobs is None or self.logprobs >= 0, f"logprobs must be >= 0, got {self.logprobs}")
+        _check(
+            self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+            f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}",
+        )
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "stop", tuple(self.stop))
 

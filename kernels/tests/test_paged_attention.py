@@ -122,6 +122,22 @@ def test_varlen_dense_prefill(device, dtype, heads, window):
     _check(out, want, dtype)
 
 
+def test_varlen_prefill_takes_keys_and_values_of_different_layouts(device):
+    """Models hand over views of one fused QKV projection: values keep that row stride, keys
+    (rotated) are fresh tensors. The kernel reads both with one set of strides, so it must not
+    be given them as they are."""
+    gen = torch.Generator().manual_seed(4)
+    total, heads, kv_heads, dim = 40, 8, 2, 32
+    qkv = torch.randn(total, (heads + 2 * kv_heads) * dim, generator=gen)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k = q.reshape(total, heads, dim).contiguous(), k.reshape(total, kv_heads, dim).contiguous()
+    v = v.view(total, kv_heads, dim)
+    cu = torch.tensor([0, 25, 40], dtype=torch.int32)
+    want = reference.varlen_attention(q, k, v, cu, 0.2, 16)
+    got = varlen_prefill(q.to(device), k.to(device), v.to(device), cu.to(device), 0.2, 16)
+    _check(got, want, torch.float32)
+
+
 def test_decode_with_an_underestimated_max_seq_len(device):
     """max_seq_len only sizes the splits; the last split still covers the whole context."""
     batch = make_paged_batch([1, 1], [70, 9], 4, 1, 32, 8, torch.float32, device, seed=9)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tgserve.kernels.sparse.config import SparseConfig
 from tgserve.server.attention.metadata import AttentionMetadata
 from tgserve.server.kv_cache import KVCacheSpec
 
@@ -18,6 +19,7 @@ class AttentionLayerParams:
     spec: KVCacheSpec
     scale: float
     softcap: float | None = None
+    layer_idx: int = 0  # per-layer settings (sparse patterns) are keyed by it
 
 
 class AttentionBackend(ABC):
@@ -36,3 +38,16 @@ class AttentionBackend(ABC):
         layer: AttentionLayerParams,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Attention output for every query row of the flat batch."""
+
+
+def attention_backend(device: torch.device, sparse: SparseConfig | None = None) -> AttentionBackend:
+    """The backend for a device; each is imported only when chosen."""
+    if device.type == "cuda":
+        from tgserve.server.attention.cuda import CudaAttentionBackend
+
+        return CudaAttentionBackend(sparse)
+    if device.type == "cpu":
+        from tgserve.server.attention.cpu import CpuAttentionBackend
+
+        return CpuAttentionBackend()
+    raise ValueError(f"no attention backend for device {device.type!r}; expected cuda or cpu")

@@ -25,6 +25,9 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     block_size: int
+    # Set when the step runs in a captured graph: an upper bound on seq_lens that holds for every
+    # replay (the host lists describe only the step it was captured with).
+    context_bound: int | None = None
     # Whatever a backend derives from this metadata once per step and reuses in every layer.
     backend_cache: dict[str, Any] = field(default_factory=dict)
 

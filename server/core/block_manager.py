@@ -101,8 +101,8 @@ class BlockManager:
         Counts prefix-cache queries and hits in tokens, once per request until it is freed.
         Allocates nothing: pass the blocks to `allocate_slots`.
         """
-        if not self.enable_prefix_caching:
-            return [], 0
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0  # prompt log-probabilities need every prompt position computed
         max_blocks = (request.num_tokens - 1) // self.block_size
         block_ids: list[int] = []
         for block_hash in self._block_hashes(request, max_blocks):

@@ -118,7 +118,9 @@ def test_messages_round_trip():
     add = p.AddRequest("r", [1, 2], SamplingParams(temperature=0.5, stop=("x",), logit_bias={3: 1.0}))
     assert p.decode_router_message(p.encode(add)) == add
     with pytest.raises(msgspec.ValidationError, match="max_new_tokens"):
-        p.decode_router_message(p.encode(add).replace(b"\x10", b"\xff"))  # max_new_tokens 16 -> -1
+        raw = msgspec.msgpack.decode(p.encode(add))  # as plain data, to forge what the router would not send
+        raw["params"]["max_new_tokens"] = -1
+        p.decode_router_message(msgspec.msgpack.encode(raw))
 
 
 def test_requests_stream_outputs_until_finished(harness):

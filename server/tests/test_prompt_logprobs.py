@@ -1,0 +1,66 @@
+"""Prompt log-probabilities: equal to transformers' on the whole prompt, across chunked prefill,
+preemption and a prompt already in the prefix cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tgserve import LLM, SamplingParams
+from tgserve.server.testing.fixtures import fixture_path
+
+SCORED = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True, prompt_logprobs=2)
+
+
+def reference_prompt_logprobs(model: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
+    """[len(prompt) - 1, vocab]: row p is the distribution over prompt token p + 1."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, :-1].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def assert_matches(entries: list, prompt: list[int], expected: torch.Tensor, top_n: int) -> None:
+    assert len(entries) == len(prompt) and entries[0] is None
+    for position, entry in enumerate(entries[1:], start=1):
+        row = expected[position - 1]
+        assert entry.token_id == prompt[position]
+        assert entry.logprob == pytest.approx(row[prompt[position]].item(), abs=1e-4)
+        top_values, top_ids = row.topk(top_n)
+        assert [i for i, _ in entry.top] == top_ids.tolist()
+        assert [v for _, v in entry.top] == pytest.approx(top_values.tolist(), abs=1e-4)
+
+
+@pytest.fixture(scope="module")
+def reference() -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(fixture_path("llama"), dtype=torch.float32).eval()
+
+
+def test_prompt_logprobs_match_transformers_across_chunks_and_preemption(reference) -> None:
+    # A 32-token budget splits the long prompts into chunks; 14 blocks of 8 cannot hold all four
+    # requests at once, so some are preempted and recompute their prompts.
+    llm = LLM(str(fixture_path("llama")), max_num_batched_tokens=32, block_size=8, num_blocks=14)
+    prompts = [list(range(5, 5 + n)) for n in (70, 9, 41, 2)]
+    params = [SCORED, SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True), SCORED, SCORED]
+    outputs = llm.generate(prompts, params)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert outputs[1].prompt_logprobs is None
+    for out, prompt in ((outputs[0], prompts[0]), (outputs[2], prompts[2]), (outputs[3], prompts[3])):
+        assert_matches(out.prompt_logprobs, prompt, reference_prompt_logprobs(reference, prompt), top_n=2)
+
+
+def test_a_cached_prompt_is_recomputed_for_its_logprobs(reference) -> None:
+    llm = LLM(str(fixture_path("llama")), max_num_batched_tokens=64, block_size=8, num_blocks=64)
+    prompt = list(range(30, 70))
+    plain = llm.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=2))[0]
+    again = llm.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=2))[0]
+    assert plain.num_cached_tokens == 0 and again.num_cached_tokens == 32  # whole blocks, one token left
+    scored = llm.generate([prompt], SCORED)[0]
+    assert scored.num_cached_tokens == 0
+    assert_matches(scored.prompt_logprobs, prompt, reference_prompt_logprobs(reference, prompt), top_n=2)
+
+
+def test_a_one_token_prompt_has_one_null_entry() -> None:
+    llm = LLM(str(fixture_path("llama")), max_num_batched_tokens=64, block_size=8, num_blocks=16)
+    out = llm.generate([[7]], SamplingParams(temperature=0.0, max_new_tokens=1, prompt_logprobs=0))[0]
+    assert out.prompt_logprobs == [None]
