@@ -105,9 +105,10 @@ def kernel_profile(engine: LLMEngine, batch: list[list[int]], path: Path) -> Non
         engine.add_request(
             f"prof-{len(batch)}-{i}",
             prompt,
-            SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True),
+            SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True),
         )
-    for _ in range(4):
+    engine.step()
+    while engine.stats().step_num_tokens != len(batch):  # until every request is decoding
         engine.step()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
@@ -168,14 +169,21 @@ def long_prompt_section(args: argparse.Namespace, model_dir: Path) -> dict[str, 
             max_model_len=args.long_prompt + 16,
             gpu_memory_utilization=args.gpu_memory_utilization,
             cuda_graphs=False,
+            enable_prefix_caching=False,  # each run computes its whole prompt
         )
     )
-    long = prompts(1, args.long_prompt, engine.vocab_size, seed=2)
     backend = engine.runner.backend
     sparse = backend.sparse
     results = {}
-    for name, config in (("sparse", sparse), ("dense", None), ("sparse", sparse)):  # the first is warm-up
+    runs = (
+        ("sparse", sparse),
+        ("dense", None),
+        ("dense", None),
+        ("sparse", sparse),
+    )  # first of each: warm-up
+    for seed, (name, config) in enumerate(runs):
         backend.sparse = config
+        long = prompts(1, args.long_prompt, engine.vocab_size, seed=10 + seed)
         results[f"c_ttft_{name}_s"] = run_engine(engine, long, 1)["prefill_s"]
     del engine
     free_gpu_memory()
@@ -256,7 +264,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     parser.add_argument("--layers", type=int, default=32, help="fewer for a quick check")
     parser.add_argument("--prefill-tokens", type=int, default=16384, help="token budget of one step")
-    parser.add_argument("--long-prompt", type=int, default=131072, help="(c) prompt length; 0 skips (c)")
+    parser.add_argument(
+        "--long-prompt",
+        type=int,
+        default=131072 - 128,  # 128K less room to generate: the model's context is 131,072 tokens
+        help="(c) prompt length; 0 skips (c)",
+    )
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--skip-baseline", action="store_true")
@@ -264,6 +277,7 @@ def main() -> None:
         "--profile-dir", type=Path, help="write decode kernel profiles (batch 1 and 256) here"
     )
     parser.add_argument("--section", choices=["baseline", "engine", "long"], help=argparse.SUPPRESS)
+    parser.add_argument("--only", choices=["baseline", "engine", "long"], help="run one section")
     args = parser.parse_args()
     if args.section:  # one section in this process, its numbers as JSON on the last line
         with tempfile.TemporaryDirectory() as tmp:
@@ -277,6 +291,8 @@ def main() -> None:
     sections = (
         ["engine"] + ([] if args.skip_baseline else ["baseline"]) + (["long"] if args.long_prompt else [])
     )
+    if args.only:
+        sections = [args.only]
     results: dict[str, float] = {}
     for name in sections:
         command = [sys.executable, *sys.argv, "--section", name]
@@ -286,6 +302,8 @@ def main() -> None:
             raise SystemExit(f"section {name} failed")
         results.update(json.loads(done.stdout.strip().splitlines()[-1]))
         print(name, json.dumps(results), flush=True)
+    if args.only:  # a partial run: the numbers alone
+        return
     text = report(results, args)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,8 @@ TRITON_INTERPRET before the first @triton.jit, stays unaffected).
     write_kv          this step's keys/values into the paged cache (slot -1 skipped)
     paged_attention   varlen queries over the paged cache: decode, chunked prefill, prefix hits
     fresh_prefill     prompts with no cached prefix: dense (library kernel) or sparse when long
+    rms_norm, fused_add_rms_norm, rotary, silu_and_mul
+                      a decoder layer's elementwise glue, one fused kernel each on CUDA
 """
 
 from __future__ import annotations
@@ -204,3 +206,43 @@ def fresh_prefill(
             cu[1] = end - start  # a scalar fill: no blocking host-to-device copy
             out[start:end] = dense_prefill(q, k, v, cu, end - start, scale)  # SDPA, cuDNN first
     return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS norm of the last dim in float32: `weight * normed.to(x.dtype)`."""
+    if use_triton(x):
+        from tgserve.kernels.fused import rms_norm as triton_rms_norm
+
+        return triton_rms_norm(x, weight, eps)
+    return reference.rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual)."""
+    if use_triton(x):
+        from tgserve.kernels.fused import fused_add_rms_norm as triton_fused_add_rms_norm
+
+        return triton_fused_add_rms_norm(x, residual, weight, eps)
+    return reference.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def rotary(
+    query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE of query [T, Hq, D] and key [T, Hk, D] with cos/sin [T, 1, D] or [T, D]."""
+    if use_triton(query):
+        from tgserve.kernels.fused import rotary as triton_rotary
+
+        return triton_rotary(query, key, cos, sin)
+    return reference.rotary(query, key, cos, sin)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a fused [..., 2I] gate/up projection."""
+    if use_triton(gate_up):
+        from tgserve.kernels.fused import silu_and_mul as triton_silu_and_mul
+
+        return triton_silu_and_mul(gate_up)
+    return reference.silu_and_mul(gate_up)

@@ -16,6 +16,7 @@ Layouts (agreed with the engine):
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def write_kv(
@@ -127,6 +128,48 @@ def varlen_attention(
         mask = causal_mask(hi - lo, hi - lo, sliding_window, query.device)
         out[lo:hi] = masked_attention(query[lo:hi], key[lo:hi], value[lo:hi], mask, scale, softcap, upcast)
     return out
+
+
+# ---- a decoder layer's elementwise glue: each computed exactly as the models' eager code did ----
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS norm of the last dim in float32, cast back to x's dtype before the weight multiplies it."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): the residual stream's add, then the next norm."""
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotary(
+    query: torch.Tensor,  # [T, Hq, D]
+    key: torch.Tensor,  # [T, Hk, D]
+    cos: torch.Tensor,  # [T, 1, D] or [T, D]
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half (GPT-NeoX style) rotary embedding of queries and keys."""
+    if cos.dim() == query.dim() - 1:  # [T, D]: broadcast over the heads
+        cos, sin = cos[:, None], sin[:, None]
+    return query * cos + rotate_half(query) * sin, key * cos + rotate_half(key) * sin
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gating of a fused [..., 2I] gate/up projection: silu(gate) * up."""
+    gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
+    return F.silu(gate) * up
 
 
 # ---- sparse patterns as element-level masks (what MInference's patterns mean, before blocking) ----

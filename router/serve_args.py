@@ -82,6 +82,16 @@ FLAGS: tuple[Flag, ...] = (
         "Require `Authorization: Bearer <key>` on every route but /health, /ping, /metrics",
     ),
     Flag("block-size", int, 16, "Tokens per KV cache block"),
+    Flag(
+        "gpu-memory-utilization",
+        float,
+        0.9,
+        "Share of GPU memory for weights, activations and the KV cache, which gets what is left",
+    ),
+    Flag("cuda-graphs", parse_bool, True, "Replay decode steps as CUDA graphs (CUDA)"),
+    Flag("sparse-prefill", parse_bool, True, "Sparse attention for long prompts (CUDA)"),
+    Flag("sparse-min-tokens", int, None, "Shortest prompt that takes sparse prefill (default: the config's)"),
+    Flag("sparse-config", str, None, "Per-layer sparse patterns, JSON (default: the model's, else built in)"),
     Flag("prefix-caching", parse_bool, True, "Reuse the KV cache of shared prompt prefixes"),
     Flag("served-model-name", str, None, "Model name reported by /v1/models (default: the model id)"),
     Flag("cors-allow-origin", str, None, "Comma-separated origins allowed by CORS"),
@@ -152,6 +162,9 @@ def engine_args(args: argparse.Namespace) -> dict[str, Any]:
         "block_size": args.block_size,
         "enable_prefix_caching": args.prefix_caching,
         "trust_remote_code": args.trust_remote_code,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "cuda_graphs": args.cuda_graphs,
+        "sparse_prefill": args.sparse_prefill,
     }
     if args.allow_pickle_weights:
         result["allow_pickle"] = True
@@ -163,6 +176,8 @@ def engine_args(args: argparse.Namespace) -> dict[str, Any]:
             math.ceil(args.max_batch_total_tokens / args.block_size) if args.max_batch_total_tokens else None
         ),
         "tensor_parallel_size": args.num_shard if args.num_shard and args.num_shard > 1 else None,
+        "sparse_min_seq_len": args.sparse_min_tokens,
+        "sparse_config": args.sparse_config,
     }
     result.update({key: value for key, value in optional.items() if value is not None})
     return result

@@ -8,20 +8,27 @@ from typing import Any
 import torch
 from torch import nn
 
+from tgserve.kernels import dispatch
+
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in float32, as the HF implementations do."""
+    """Root-mean-square norm computed in float32, as the HF implementations do.
+
+    Given a residual, the residual stream's add comes first and the call returns
+    (norm(x + residual), x + residual): on CUDA the add and the norm are then one kernel.
+    """
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return dispatch.rms_norm(x, self.weight, self.eps)
+        return dispatch.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
@@ -77,12 +84,7 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # query [T, H, D], key [T, H_kv, D]
         cos, sin = self.cos_sin(positions, query.dtype)
-        return query * cos + rotate_half(query) * sin, key * cos + rotate_half(key) * sin
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return dispatch.rotary(query, key, cos, sin)
 
 
 class FusedWeightLoader:

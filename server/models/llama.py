@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
+from tgserve.kernels import dispatch
 from tgserve.server.forward_context import paged_attention
 from tgserve.server.kv_cache import head_dim, num_kv_heads
 from tgserve.server.models.layers import FusedWeightLoader, RMSNorm, RotaryEmbedding
@@ -63,10 +64,14 @@ class LlamaMLP(nn.Module):
         self.intermediate = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=bias)
         self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=bias)
-        self.act = ACT2FN[config.hidden_act]
+        # SiLU gating has a fused kernel on CUDA; other activations stay with transformers'.
+        self.act = None if config.hidden_act in ("silu", "swish") else ACT2FN[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.act is None:
+            return self.down_proj(dispatch.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -78,9 +83,21 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it is added).
+
+        The stream's adds are deferred into the next norm (vLLM's layout) so that on CUDA each add
+        and the norm after it are one kernel; the first layer has no pending add.
+        """
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -95,9 +112,12 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        residual = None
         for layer in self.layers:
-            hidden = layer(positions, hidden)
-        return self.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual)
+        if residual is None:
+            return self.norm(hidden)
+        return self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
