@@ -7,6 +7,7 @@ kv_write        Triton: keys/values into the paged cache by slot mapping
 paged_decode    Triton: one query per sequence over its paged KV, split-context (flash-decoding)
 paged_prefill   Triton: varlen queries over the paged cache (chunked prefill, prefix hits) or
                 over a fresh packed prompt
+fused           Triton: RMSNorm (optionally after the residual add), rotary, SiLU-and-multiply
 triton_common   shared Triton pieces (online-softmax tile step, softcap)
 sparse/         MInference-style sparse prefill: pattern configs, estimation, index, kernel
 testing         paged test batches and error metrics (tests and benchmarks)

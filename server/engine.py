@@ -58,6 +58,7 @@ class EngineArgs:
     allow_pickle: bool = False
     force_transformers_fallback: bool = False
     load_format: str = "auto"  # "dummy": random weights from the config alone (benchmarks)
+    tensor_parallel_size: int = 1  # --num-shard; one device only, for now
     # CUDA only
     gpu_memory_utilization: float = 0.9  # share of the GPU the engine may fill; the KV pool gets the rest
     cuda_graphs: bool = True  # decode steps replay captured graphs (batch sizes up to max_cuda_graph_batch)
@@ -109,6 +110,11 @@ class LLMEngine:
     """One model on one device, served by continuous batching over a paged KV cache."""
 
     def __init__(self, args: EngineArgs) -> None:
+        if args.tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor parallelism is not supported yet: --num-shard {args.tensor_parallel_size} asks for "
+                f"{args.tensor_parallel_size} devices; serve on one (--num-shard 1)"
+            )
         self.args = args
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
