@@ -223,6 +223,9 @@ class ModelRunner:
 
     @staticmethod
     def _sampling_row(state: RunnerRequestState) -> SamplingRow:
+        step = len(state.token_ids) - state.num_prompt_tokens
+        if not state.params.needs_penalties:  # only penalties read the tokens: copy none
+            return SamplingRow(state.params, [], [], step)
         prompt = state.token_ids[: state.num_prompt_tokens]
         output = state.token_ids[state.num_prompt_tokens :]
-        return SamplingRow(state.params, prompt, output, len(output))
+        return SamplingRow(state.params, prompt, output, step)

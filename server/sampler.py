@@ -30,7 +30,8 @@ class SamplingRow:
     """One request's view for this step.
 
     `output_token_ids` is the output before this step's token; `step` is its length, so a recomputed
-    (preempted) request draws the same randomness again.
+    (preempted) request draws the same randomness again. Only penalties read the token lists: the
+    runner leaves them empty for requests without penalties.
     """
 
     params: SamplingParams
