@@ -81,10 +81,14 @@ def layer_sliding_windows(config: Any) -> list[int | None]:
     return [None] * n
 
 
-def kv_cache_specs(config: Any, dtype: torch.dtype) -> list[KVCacheSpec]:
-    """The cache every layer of this architecture needs, read off its HF config."""
+def kv_cache_specs(config: Any, dtype: torch.dtype, tensor_parallel_size: int = 1) -> list[KVCacheSpec]:
+    """The cache every layer of this architecture needs, read off its HF config; with tensor
+    parallelism, one shard's (its share of the KV heads)."""
     kv_heads, dim = num_kv_heads(config), head_dim(config)
-    return [KVCacheSpec(kv_heads, dim, dtype, window) for window in layer_sliding_windows(config)]
+    if kv_heads % tensor_parallel_size:
+        raise ValueError(f"{kv_heads} KV heads cannot be split evenly across {tensor_parallel_size} shards")
+    local = kv_heads // tensor_parallel_size
+    return [KVCacheSpec(local, dim, dtype, window) for window in layer_sliding_windows(config)]
 
 
 def num_blocks_for_memory(specs: list[KVCacheSpec], block_size: int, memory_bytes: int) -> int:

@@ -119,10 +119,18 @@ class FusedWeightLoader:
                 target = name.replace(f".{part}.", f".{fused}.")
                 sizes = self.shard_sizes[fused]
                 start = sum(sizes[:shard])
-                self._param(target, name).data[start : start + sizes[shard]].copy_(tensor)
+                param = self._param(target, name)
+                if hasattr(param, "weight_loader"):  # a sharded layer takes its own slice
+                    param.weight_loader(param, tensor, shard)
+                else:
+                    param.data[start : start + sizes[shard]].copy_(tensor)
                 self.loaded.add(f"{target}#{shard}")
                 return
-        self._param(name, name).data.copy_(tensor)
+        param = self._param(name, name)
+        if hasattr(param, "weight_loader"):
+            param.weight_loader(param, tensor, None)
+        else:
+            param.data.copy_(tensor)
         self.loaded.add(name)
 
     def _param(self, target: str, source: str) -> nn.Parameter:

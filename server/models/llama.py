@@ -14,9 +14,17 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from tgserve.kernels import dispatch
+from tgserve.server.distributed import tensor_parallel
 from tgserve.server.forward_context import paged_attention
 from tgserve.server.kv_cache import head_dim, num_kv_heads
 from tgserve.server.models.layers import FusedWeightLoader, RMSNorm, RotaryEmbedding
+from tgserve.server.models.parallel_layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    lm_head_logits,
+)
 
 
 def _family_flags(config: Any) -> dict[str, bool]:
@@ -35,11 +43,17 @@ class LlamaAttention(nn.Module):
         super().__init__()
         flags = _family_flags(config)
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, num_kv_heads(config)
+        tp = tensor_parallel()
+        # This shard's heads: query and KV heads are split evenly across the shards.
+        self.num_heads = tp.divide(config.num_attention_heads, "attention heads")
+        self.num_kv_heads = tp.divide(num_kv_heads(config), "KV heads")
         self.head_dim = head_dim(config)
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=flags["qkv_bias"])
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=flags["o_bias"])
+        full_q, full_kv = self.q_size * tp.world_size, self.kv_size * tp.world_size
+        self.qkv_proj = ColumnParallelLinear(
+            config.hidden_size, [full_q, full_kv, full_kv], flags["qkv_bias"]
+        )
+        self.o_proj = RowParallelLinear(full_q, config.hidden_size, flags["o_bias"])
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if flags["qk_norm"] else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if flags["qk_norm"] else None
         self.rotary = rotary
@@ -61,9 +75,10 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         bias = _family_flags(config)["mlp_bias"]
-        self.intermediate = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=bias)
-        self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=bias)
+        full = config.intermediate_size
+        self.intermediate = tensor_parallel().divide(full, "intermediate size")  # this shard's
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [full, full], bias)
+        self.down_proj = RowParallelLinear(full, config.hidden_size, bias)
         # SiLU gating has a fused kernel on CUDA; other activations stay with transformers'.
         self.act = None if config.hidden_act in ("silu", "swish") else ACT2FN[config.hidden_act]
 
@@ -103,7 +118,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         rotary = RotaryEmbedding(config, head_dim(config))
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, rotary) for i in range(config.num_hidden_layers)
@@ -129,14 +144,14 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor
     ) -> torch.Tensor:
         hidden = self.model(input_ids, positions)[logits_indices]
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return hidden @ weight.t()  # [len(logits_indices), vocab]
+        return lm_head_logits(hidden, weight, self.config.vocab_size)  # [len(logits_indices), vocab]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         attn = self.model.layers[0].self_attn

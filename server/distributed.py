@@ -1,0 +1,62 @@
+"""Tensor parallelism: which shard of the model this process holds, and the collectives between shards.
+
+Models read `tensor_parallel()` when they are built (as vLLM's layers read the parallel state), so
+the same model file builds a whole model (one process, the default) or one rank's shard. With one
+shard every collective is the identity and no torch.distributed call is made.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    rank: int = 0
+    world_size: int = 1
+    group: Any = None  # the torch.distributed process group of the shards
+
+    def divide(self, total: int, what: str) -> int:
+        """This rank's share of `total` (heads, features); they must split evenly."""
+        if total % self.world_size:
+            raise ValueError(f"{what} ({total}) cannot be split evenly across {self.world_size} shards")
+        return total // self.world_size
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over the shards, in place."""
+        if self.world_size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """Every shard's x side by side along the last dimension, in rank order."""
+        if self.world_size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+_current = TensorParallel()
+
+
+def tensor_parallel() -> TensorParallel:
+    return _current
+
+
+def init_tensor_parallel(
+    rank: int, world_size: int, init_method: str, backend: str | None = None
+) -> TensorParallel:
+    """Join the shards' process group (NCCL on CUDA, gloo on CPU) and make it the current one."""
+    global _current
+    if world_size > 1:
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+        _current = TensorParallel(rank, world_size, dist.group.WORLD)
+    else:
+        _current = TensorParallel()
+    return _current

@@ -1,0 +1,81 @@
+"""Tensor-parallel llama-family models on CPU: two shards (two processes, gloo) compute the logits
+of the unsharded model, for untied (llama) and tied, per-head-normed (qwen3) fixtures."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tgserve.server.attention.cpu import CpuAttentionBackend
+from tgserve.server.kv_cache import allocate_kv_caches, kv_cache_specs
+from tgserve.server.loader import load_config, resolve_model
+from tgserve.server.memory import dummy_prefill_metadata
+from tgserve.server.model_loader import load_model
+from tgserve.server.runner import ModelRunner
+from tgserve.server.testing.fixtures import fixture_path
+
+LENGTHS = [5, 17, 9]  # three fresh prompts in one flat batch
+
+
+def prompt_logits(path: str, world_size: int = 1) -> torch.Tensor:
+    """The last-position logits of each prompt, from this process's shard of the model."""
+    source = resolve_model(path)
+    config = load_config(source)
+    model = load_model(source, config, torch.float32, torch.device("cpu"))
+    attention = model.model.layers[0].self_attn
+    assert attention.num_heads * world_size == config.num_attention_heads  # really a shard
+    assert model.model.embed_tokens.weight.shape[0] == -(-config.vocab_size // world_size)
+    specs = kv_cache_specs(config, torch.float32, world_size)
+    runner = ModelRunner(model, allocate_kv_caches(specs, 1, 8, torch.device("cpu")), specs,
+                         CpuAttentionBackend(), 8, torch.device("cpu"))  # fmt: skip
+    metadata = dummy_prefill_metadata(sum(LENGTHS), len(LENGTHS), 8, torch.device("cpu"))
+    metadata.seq_lens_cpu[:] = LENGTHS  # dummy_prefill_metadata splits evenly: set the lengths asked for
+    starts = [0]
+    for n in LENGTHS:
+        starts.append(starts[-1] + n)
+    metadata.query_start_loc_cpu[:] = starts
+    metadata.query_start_loc = torch.tensor(starts, dtype=torch.int32)
+    metadata.seq_lens = torch.tensor(LENGTHS, dtype=torch.int32)
+    ids = torch.arange(sum(LENGTHS)) % 50 + 10
+    positions = torch.cat([torch.arange(n) for n in LENGTHS])
+    return runner.forward(ids, positions, metadata, torch.tensor(starts[1:]) - 1)
+
+
+def _shard(rank: int, world_size: int, port: int, path: str, results) -> None:
+    from tgserve.server.distributed import init_tensor_parallel
+
+    init_tensor_parallel(rank, world_size, f"tcp://127.0.0.1:{port}", backend="gloo")
+    results.put((rank, prompt_logits(path, world_size).numpy()))  # by value: the worker exits first
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_two_shards_compute_the_unsharded_logits(arch: str) -> None:
+    path = str(fixture_path(arch))
+    expected = prompt_logits(path)
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = _free_port()
+    workers = [context.Process(target=_shard, args=(r, 2, port, path, results)) for r in range(2)]
+    for worker in workers:
+        worker.start()
+    got = dict(results.get(timeout=120) for _ in workers)
+    for worker in workers:
+        worker.join(timeout=30)
+        assert worker.exitcode == 0
+    for rank in range(2):
+        torch.testing.assert_close(torch.from_numpy(got[rank]), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_heads_that_do_not_split_evenly_are_named() -> None:
+    config = load_config(resolve_model(str(fixture_path("llama"))))
+    with pytest.raises(ValueError, match="2 KV heads cannot be split evenly across 4 shards"):
+        kv_cache_specs(config, torch.float32, 4)
