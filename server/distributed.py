@@ -18,7 +18,8 @@ import torch.distributed as dist
 class TensorParallel:
     rank: int = 0
     world_size: int = 1
-    group: Any = None  # the torch.distributed process group of the shards
+    group: Any = None  # the torch.distributed process group of the shards (NCCL on CUDA)
+    cpu_group: Any = None  # the same ranks over gloo, for host objects
 
     def divide(self, total: int, what: str) -> int:
         """This rank's share of `total` (heads, features); they must split evenly."""
@@ -56,7 +57,16 @@ def init_tensor_parallel(
     if world_size > 1:
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
-        _current = TensorParallel(rank, world_size, dist.group.WORLD)
+        cpu_group = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
+        _current = TensorParallel(rank, world_size, dist.group.WORLD, cpu_group)
     else:
         _current = TensorParallel()
     return _current
+
+
+def shutdown_tensor_parallel() -> None:
+    """Leave the shards' process group; models built afterwards are whole again."""
+    global _current
+    if _current.world_size > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+    _current = TensorParallel()

@@ -7,7 +7,6 @@ loop, so it cannot stop the engine from serving the others.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -15,27 +14,20 @@ from typing import Any
 
 import torch
 
-from tgserve.kernels.sparse.config import SparseConfig, load_sparse_config
-from tgserve.server.attention.backend import attention_backend
 from tgserve.server.config import SchedulerConfig
 from tgserve.server.core.request import FinishReason, Request
 from tgserve.server.core.scheduler import Scheduler
-from tgserve.server.cuda_graphs import DecodeGraphs
-from tgserve.server.kv_cache import allocate_kv_caches, kv_cache_specs, num_blocks_for_memory
+from tgserve.server.distributed import TensorParallel, init_tensor_parallel, shutdown_tensor_parallel
 from tgserve.server.loader import ModelSource, load_config, load_tokenizer, resolve_model
-from tgserve.server.memory import MemoryProfile, profile_kv_budget
-from tgserve.server.model_loader import load_model
+from tgserve.server.memory import MemoryProfile
+from tgserve.server.model_shard import ModelShard
 from tgserve.server.outputs import EngineStats, RequestOutput, TokenLogprob
-from tgserve.server.runner import ModelRunner, RunnerOutput
+from tgserve.server.runner import RunnerOutput
 from tgserve.server.sampling_params import InvalidRequestError, SamplingParams
+from tgserve.server.shard_workers import SHARD_SEED, broadcast, free_tcp_address, shard_device, start_workers
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CPU_KV_BYTES = 2 << 30
-SPARSE_CONFIG_FILE = "sparse_attention.json"
-# Captured decode graphs size their context splits for this many tokens; longer contexts stay
-# correct (the last split runs to the end) but use fewer parallel splits.
-GRAPH_CONTEXT_BOUND = 8192
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -58,7 +50,7 @@ class EngineArgs:
     allow_pickle: bool = False
     force_transformers_fallback: bool = False
     load_format: str = "auto"  # "dummy": random weights from the config alone (benchmarks)
-    tensor_parallel_size: int = 1  # --num-shard; one device only, for now
+    tensor_parallel_size: int = 1  # --num-shard: shards of the model, one device each (llama family)
     # CUDA only
     gpu_memory_utilization: float = 0.9  # share of the GPU the engine may fill; the KV pool gets the rest
     cuda_graphs: bool = True  # decode steps replay captured graphs (batch sizes up to max_cuda_graph_batch)
@@ -106,43 +98,45 @@ def eos_token_ids(config: Any, tokenizer: Any, source: ModelSource) -> frozenset
     return frozenset(ids)
 
 
+@dataclass(frozen=True)
+class ModelDescription:
+    """What every shard reads before it loads its weights."""
+
+    source: ModelSource
+    config: Any
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+
+
+def load_model_description(args: EngineArgs) -> ModelDescription:
+    device = resolve_device(args.device)
+    source = resolve_model(args.model, args.revision, args.allow_pickle)
+    config = load_config(source, args.trust_remote_code)
+    max_len = min(args.max_model_len or config_max_len(config), config_max_len(config))
+    return ModelDescription(source, config, device, resolve_dtype(args.dtype, device), max_len)
+
+
 class LLMEngine:
     """One model on one device, served by continuous batching over a paged KV cache."""
 
     def __init__(self, args: EngineArgs) -> None:
-        if args.tensor_parallel_size != 1:
-            raise ValueError(
-                f"tensor parallelism is not supported yet: --num-shard {args.tensor_parallel_size} asks for "
-                f"{args.tensor_parallel_size} devices; serve on one (--num-shard 1)"
-            )
         self.args = args
-        self.device = resolve_device(args.device)
-        self.dtype = resolve_dtype(args.dtype, self.device)
-        self.source = resolve_model(args.model, args.revision, args.allow_pickle)
+        described = load_model_description(args)
+        self.device, self.dtype, self.source = described.device, described.dtype, described.source
+        self.config, self.max_model_len = described.config, described.max_model_len
         self.model_id = args.model or "HuggingFaceTB/SmolLM2-135M-Instruct"
-        self.config = load_config(self.source, args.trust_remote_code)
         self.tokenizer = load_tokenizer(self.source, args.trust_remote_code)
         self.eos_token_ids = eos_token_ids(self.config, self.tokenizer, self.source)
         self.vocab_size = int(self.config.vocab_size)
-        self.max_model_len = min(
-            args.max_model_len or config_max_len(self.config), config_max_len(self.config)
-        )
-        model = load_model(
-            self.source,
-            self.config,
-            self.dtype,
-            self.device,
-            args.trust_remote_code,
-            args.allow_pickle,
-            args.force_transformers_fallback,
-            args.load_format,
-        )
-        self.specs = kv_cache_specs(self.config, self.dtype)
-        backend = attention_backend(self.device, self._sparse_config())
-        self.runner = ModelRunner(model, [], self.specs, backend, args.block_size, self.device)
-        self.memory_profile: MemoryProfile | None = None
-        self.num_blocks = self._size_kv_pool()
-        self.runner.kv_caches = allocate_kv_caches(self.specs, self.num_blocks, args.block_size, self.device)
+        self.tp, self.workers = self._join_shards()
+        self.shard = ModelShard(args, self.source, self.config, self.dtype, self.device, self.max_model_len)
+        self.runner = self.shard.runner
+        self.num_blocks = self.shard.size_kv_pool()
+        if self.workers:
+            broadcast(self.num_blocks, self.tp)  # every shard's pool gets rank 0's size
+        self.shard.allocate(self.num_blocks)
+        self.memory_profile: MemoryProfile | None = self.shard.memory_profile
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=args.max_num_batched_tokens,
@@ -153,8 +147,6 @@ class LLMEngine:
                 enable_prefix_caching=args.enable_prefix_caching,
             )
         )
-        if self.device.type == "cuda" and args.cuda_graphs:
-            self._capture_graphs()
         self._last_step = (0, 0)
         # Prompt log-probabilities gathered over a request's prefill chunks, sent with its first token.
         self._prompt_logprobs: dict[str, list[TokenLogprob]] = {}
@@ -165,58 +157,28 @@ class LLMEngine:
             args.block_size,
         )
 
-    # -- set-up -----------------------------------------------------------------------------------
+    def _join_shards(self) -> tuple[TensorParallel, list]:
+        """With several shards: start ranks 1..N-1 and join their process group as rank 0."""
+        size = self.args.tensor_parallel_size
+        if size == 1:
+            return TensorParallel(), []
+        if self.device.type == "cuda" and torch.cuda.device_count() < size:
+            raise ValueError(f"--num-shard {size} needs {size} GPUs; {torch.cuda.device_count()} are visible")
+        address = free_tcp_address()
+        workers = start_workers(self.args, address)
+        tp = init_tensor_parallel(0, size, address)
+        torch.manual_seed(SHARD_SEED)
+        self.device = shard_device(self.device, 0)
+        return tp, workers
 
-    def _sparse_config(self) -> SparseConfig | None:
-        """Sparse prefill patterns: the given file, else the model's `sparse_attention.json`, else defaults."""
-        if not self.args.sparse_prefill or self.device.type != "cuda":
-            return None
-        path = self.args.sparse_config
-        if path is None and (self.source.directory / SPARSE_CONFIG_FILE).is_file():
-            path = str(self.source.directory / SPARSE_CONFIG_FILE)
-        config = load_sparse_config(path)
-        if self.args.sparse_min_seq_len is not None:
-            config = dataclasses.replace(config, min_seq_len=self.args.sparse_min_seq_len)
-        return config
-
-    def _size_kv_pool(self) -> int:
-        """Blocks in the KV pool: as given, else what the profiled GPU memory or the CPU budget holds."""
-        args = self.args
-        if args.num_blocks:
-            return args.num_blocks
-        if self.device.type != "cuda" or args.kv_cache_memory_bytes:
-            memory = args.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
-            return num_blocks_for_memory(self.specs, args.block_size, memory)
-        self.runner.kv_caches = allocate_kv_caches(self.specs, 1, args.block_size, self.device)
-        self.memory_profile = profile_kv_budget(
-            self.runner.forward,
-            args.max_num_batched_tokens,
-            args.max_num_seqs,
-            args.block_size,
-            args.gpu_memory_utilization,
-            self.device,
-        )
-        self.runner.kv_caches = []
-        logger.info(self.memory_profile.describe())
-        return num_blocks_for_memory(self.specs, args.block_size, self.memory_profile.kv_budget_bytes)
-
-    def _capture_graphs(self) -> None:
-        block_size = self.args.block_size
-        graphs = DecodeGraphs(
-            self.runner.forward,
-            max_batch=min(self.args.max_num_seqs, self.args.max_cuda_graph_batch),
-            max_blocks_per_seq=-(-self.max_model_len // block_size),
-            block_size=block_size,
-            context_bound=min(self.max_model_len, GRAPH_CONTEXT_BOUND),
-            device=self.device,
-        )
-        try:
-            graphs.capture()
-        except RuntimeError as exc:  # e.g. host copies or data-dependent shapes in a model's code
-            torch.cuda.synchronize(self.device)
-            logger.warning("CUDA graphs are off: this model's decode step cannot be captured (%s)", exc)
-            return
-        self.runner.graphs = graphs
+    def close(self) -> None:
+        """Stop the shard workers (nothing to do with one shard). Idempotent."""
+        if self.workers:
+            broadcast(None, self.tp)
+            for worker in self.workers:
+                worker.join(timeout=30)
+            self.workers = []
+            shutdown_tensor_parallel()
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -271,6 +233,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, and report every request that gained a token or finished."""
         scheduler_output = self.scheduler.schedule()
+        if self.workers:
+            broadcast(scheduler_output, self.tp)
         runner_output = self.runner.execute(scheduler_output)
         self._last_step = (
             scheduler_output.total_num_scheduled_tokens,

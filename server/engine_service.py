@@ -198,6 +198,7 @@ def run_engine_service(config: EngineServiceConfig) -> int:
         tokenizer_dir = save_tokenizer(engine, config.tokenizer_dir)
         output_socket.send(p.encode(ready_message(engine, tokenizer_dir)))
         EngineLoop(engine, input_socket, output_socket, config.parent_pid).run()
+        engine.close()  # tensor-parallel workers stop with the loop
         return 0
     except SystemExit as exc:
         return int(exc.code or 0)

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tgserve.server.distributed import tensor_parallel
 from tgserve.server.errors import ModelLoadError
 from tgserve.server.loader import ModelSource, iter_safetensors, safetensors_files, verify_safetensors
 from tgserve.server.models.registry import architecture_name, check_supported, native_model_class
@@ -33,6 +34,12 @@ def load_model(
     architecture = architecture_name(config)
     check_supported(architecture, trust_remote_code)
     native = None if force_fallback else native_model_class(architecture)
+    shards = tensor_parallel().world_size
+    if shards > 1 and not getattr(native, "supports_tensor_parallel", False):
+        raise ModelLoadError(
+            f"{architecture} cannot be split across --num-shard {shards} devices: tensor parallelism "
+            "covers the llama family (Llama, Mistral, Qwen2, Qwen3); serve it with --num-shard 1"
+        )
     if native is None and load_format == "dummy":
         raise ModelLoadError(f"load_format 'dummy' needs a native architecture; {architecture} is not one")
     if native is None:

@@ -138,6 +138,8 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Flat-batch causal LM: all scheduled tokens of all requests in one [num_tokens] input."""
 
+    supports_tensor_parallel = True
+
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config

@@ -117,11 +117,6 @@ def test_a_bad_request_does_not_stop_the_others(llm: LLM) -> None:
     assert [outputs[f"good-{i}"] for i in range(3)] == expected
 
 
-def test_more_than_one_shard_is_refused_by_name() -> None:
-    with pytest.raises(ValueError, match="--num-shard 2"):
-        LLM(str(fixture_path("llama")), tensor_parallel_size=2)
-
-
 def test_missing_model_path() -> None:
     with pytest.raises(ModelNotFoundError, match="does not exist"):
         LLM("/nonexistent/models/tiny")

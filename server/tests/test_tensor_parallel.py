@@ -79,3 +79,50 @@ def test_heads_that_do_not_split_evenly_are_named() -> None:
     config = load_config(resolve_model(str(fixture_path("llama"))))
     with pytest.raises(ValueError, match="2 KV heads cannot be split evenly across 4 shards"):
         kv_cache_specs(config, torch.float32, 4)
+
+
+def test_an_engine_of_two_shards_generates_the_tokens_of_one() -> None:
+    """Two CPU shards (the second a worker process) through the whole engine: chunked prefill,
+    decode, greedy and seeded sampling give the tokens a single shard gives."""
+    from tgserve.server.engine import EngineArgs, LLMEngine
+    from tgserve.server.sampling_params import SamplingParams
+
+    prompts = [list(range(10, 10 + n)) for n in (40, 7, 23)]
+    params = [
+        SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=7, max_new_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_new_tokens=5, ignore_eos=True),
+    ]
+
+    def generate(shards: int) -> dict[str, list[int]]:
+        args = EngineArgs(model=str(fixture_path("llama")), max_num_batched_tokens=32, block_size=8,
+                          num_blocks=64, tensor_parallel_size=shards)  # fmt: skip
+        engine = LLMEngine(args)
+        try:
+            outputs: dict[str, list[int]] = {}
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                engine.add_request(f"r{i}", prompt, p)
+                outputs[f"r{i}"] = []
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    outputs[out.request_id].extend(out.new_token_ids)
+            return outputs
+        finally:
+            engine.close()
+
+    assert generate(2) == generate(1)
+
+
+def test_an_architecture_without_tensor_parallel_layers_is_refused_by_name() -> None:
+    import tgserve.server.distributed as distributed
+    from tgserve.server.distributed import TensorParallel
+    from tgserve.server.errors import ModelLoadError
+
+    source = resolve_model(str(fixture_path("gpt_bigcode")))
+    previous = distributed._current
+    distributed._current = TensorParallel(rank=0, world_size=2)  # as a rank of two would see it
+    try:
+        with pytest.raises(ModelLoadError, match="cannot be split across --num-shard 2"):
+            load_model(source, load_config(source), torch.float32, torch.device("cpu"))
+    finally:
+        distributed._current = previous

@@ -1,0 +1,123 @@
+"""One tensor-parallel shard of a model on its device: the weights, the KV pool and the runner.
+
+With one shard (the default) it is the whole model. The engine builds one in its own process (rank
+0); with `tensor_parallel_size > 1` every other rank builds its own in a worker process
+(`shard_workers.py`), and all of them take the same steps together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tgserve.kernels.sparse.config import SparseConfig, load_sparse_config
+from tgserve.server.attention.backend import attention_backend
+from tgserve.server.cuda_graphs import DecodeGraphs
+from tgserve.server.kv_cache import allocate_kv_caches, kv_cache_specs, num_blocks_for_memory
+from tgserve.server.loader import ModelSource
+from tgserve.server.memory import MemoryProfile, profile_kv_budget
+from tgserve.server.model_loader import load_model
+from tgserve.server.runner import ModelRunner
+
+if TYPE_CHECKING:
+    from tgserve.server.engine import EngineArgs
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_BYTES = 2 << 30
+SPARSE_CONFIG_FILE = "sparse_attention.json"
+# Captured decode graphs size their context splits for this many tokens; longer contexts stay
+# correct (the last split runs to the end) but use fewer parallel splits.
+GRAPH_CONTEXT_BOUND = 8192
+
+
+class ModelShard:
+    """Loads this rank's share of the model and builds its runner; `allocate` adds the KV pool."""
+
+    def __init__(
+        self,
+        args: EngineArgs,
+        source: ModelSource,
+        config: Any,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_model_len: int,
+    ) -> None:
+        self.args, self.source, self.device, self.max_model_len = args, source, device, max_model_len
+        model = load_model(
+            source,
+            config,
+            dtype,
+            device,
+            args.trust_remote_code,
+            args.allow_pickle,
+            args.force_transformers_fallback,
+            args.load_format,
+        )
+        self.specs = kv_cache_specs(config, dtype, args.tensor_parallel_size)
+        backend = attention_backend(device, self._sparse_config())
+        self.runner = ModelRunner(model, [], self.specs, backend, args.block_size, device)
+        self.memory_profile: MemoryProfile | None = None
+
+    def _sparse_config(self) -> SparseConfig | None:
+        """Sparse prefill patterns: the given file, else the model's `sparse_attention.json`, else defaults."""
+        if not self.args.sparse_prefill or self.device.type != "cuda":
+            return None
+        path = self.args.sparse_config
+        if path is None and (self.source.directory / SPARSE_CONFIG_FILE).is_file():
+            path = str(self.source.directory / SPARSE_CONFIG_FILE)
+        config = load_sparse_config(path)
+        if self.args.sparse_min_seq_len is not None:
+            config = dataclasses.replace(config, min_seq_len=self.args.sparse_min_seq_len)
+        return config
+
+    def size_kv_pool(self) -> int:
+        """Blocks in the KV pool: as given, else what the profiled GPU memory or the CPU budget holds.
+
+        On a GPU this runs the largest step once: with several shards, every rank must call it.
+        """
+        args = self.args
+        if args.num_blocks:
+            return args.num_blocks
+        if self.device.type != "cuda" or args.kv_cache_memory_bytes:
+            memory = args.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
+            return num_blocks_for_memory(self.specs, args.block_size, memory)
+        self.runner.kv_caches = allocate_kv_caches(self.specs, 1, args.block_size, self.device)
+        self.memory_profile = profile_kv_budget(
+            self.runner.forward,
+            args.max_num_batched_tokens,
+            args.max_num_seqs,
+            args.block_size,
+            args.gpu_memory_utilization,
+            self.device,
+        )
+        self.runner.kv_caches = []
+        logger.info(self.memory_profile.describe())
+        return num_blocks_for_memory(self.specs, args.block_size, self.memory_profile.kv_budget_bytes)
+
+    def allocate(self, num_blocks: int) -> None:
+        """The KV pool, then (CUDA) the decode graphs, which capture steps over it."""
+        self.runner.kv_caches = allocate_kv_caches(self.specs, num_blocks, self.args.block_size, self.device)
+        if self.device.type == "cuda" and self.args.cuda_graphs:
+            self._capture_graphs()
+
+    def _capture_graphs(self) -> None:
+        block_size = self.args.block_size
+        graphs = DecodeGraphs(
+            self.runner.forward,
+            max_batch=min(self.args.max_num_seqs, self.args.max_cuda_graph_batch),
+            max_blocks_per_seq=-(-self.max_model_len // block_size),
+            block_size=block_size,
+            context_bound=min(self.max_model_len, GRAPH_CONTEXT_BOUND),
+            device=self.device,
+        )
+        try:
+            graphs.capture()
+        except RuntimeError as exc:  # e.g. host copies or data-dependent shapes in a model's code
+            torch.cuda.synchronize(self.device)
+            logger.warning("CUDA graphs are off: this model's decode step cannot be captured (%s)", exc)
+            return
+        self.runner.graphs = graphs
