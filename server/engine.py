@@ -118,7 +118,8 @@ def load_model_description(args: EngineArgs) -> ModelDescription:
 
 
 class LLMEngine:
-    """One model on one device, served by continuous batching over a paged KV cache."""
+    """One model served by continuous batching over a paged KV cache: on one device, or as rank 0
+    of `tensor_parallel_size` shards whose workers take every step with it."""
 
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
