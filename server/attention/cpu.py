@@ -79,11 +79,12 @@ def _build_plan(metadata: AttentionMetadata, block_size: int) -> StepPlan:
     decode = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] == 1]
     # Sequences whose block counts fall in the same power-of-two range share a gather, so padding
     # to the longest in a group at most doubles what is read (mixed lengths would pad far more).
+    # A group of one still beats the per-sequence path (a per-token slot gather and a mask).
     buckets: dict[int, list[int]] = {}
     for i in decode:
         buckets.setdefault((-(-lens[i] // block_size) - 1).bit_length(), []).append(i)
-    groups = [_decode_group(metadata, seqs, block_size) for seqs in buckets.values() if len(seqs) > 1]
-    grouped = {i for seqs in buckets.values() if len(seqs) > 1 for i in seqs}
+    groups = [_decode_group(metadata, seqs, block_size) for seqs in buckets.values()]
+    grouped = {i for seqs in buckets.values() for i in seqs}
     prefill = [(i, starts[i], starts[i + 1], n) for i, n in enumerate(lens) if i not in grouped]
     return StepPlan(groups, prefill, bool((metadata.slot_mapping >= 0).all()))
 
