@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import json
 import subprocess
 import sys
@@ -81,8 +80,10 @@ def run_engine(engine: LLMEngine, batch: list[list[int]], new_tokens: int) -> di
     while engine.has_unfinished_requests():
         step_start = time.perf_counter()
         produced += sum(len(o.new_token_ids) for o in engine.step())
-        tokens, seqs = engine.stats().step_num_tokens, engine.stats().step_num_seqs
-        if tokens == seqs == len(batch):  # every request decoding: the steady state
+        stats = engine.stats()
+        if (
+            stats.step_num_tokens == stats.step_num_seqs == len(batch)
+        ):  # every request decoding: the steady state
             decode_steps.append(time.perf_counter() - step_start)
         if first_all is None and produced >= len(batch):
             first_all = time.perf_counter() - start
@@ -153,8 +154,6 @@ def engine_section(args: argparse.Namespace, model_dir: Path) -> dict[str, float
         kernel_profile(engine, prompts(256, 512, vocab, seed=6), args.profile_dir / "profile-batch256.txt")
     results["d_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     results["d_device_gib"] = torch.cuda.get_device_properties(0).total_memory / 2**30
-    del engine
-    free_gpu_memory()
     return results
 
 
@@ -185,16 +184,7 @@ def long_prompt_section(args: argparse.Namespace, model_dir: Path) -> dict[str, 
         backend.sparse = config
         long = prompts(1, args.long_prompt, engine.vocab_size, seed=10 + seed)
         results[f"c_ttft_{name}_s"] = run_engine(engine, long, 1)["prefill_s"]
-    del engine
-    free_gpu_memory()
     return results
-
-
-def free_gpu_memory() -> None:
-    """Collect what was just dropped (an engine's graphs and runner refer to each other) and hand
-    its blocks back to the device, so the next section can size its KV pool from free memory."""
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 def generate_section(model_dir: Path, batch128_new: int, single_new: int) -> dict[str, float]:
@@ -217,8 +207,6 @@ def generate_section(model_dir: Path, batch128_new: int, single_new: int) -> dic
             model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
             torch.cuda.synchronize()
         results[f"generate_b{batch}_tok_s"] = batch * new / (time.perf_counter() - start)
-    del model
-    free_gpu_memory()
     return results
 
 

@@ -96,15 +96,20 @@ class SequenceState:
         return TokenInfo(
             id=token_id,
             text=text,
-            logprob=None if logprob is None else _finite(logprob.logprob),
+            logprob=None if logprob is None else finite_or_none(logprob.logprob),
             special=special,
-            top=[(i, lp) for i, lp in logprob.top if math.isfinite(lp)] if logprob is not None else [],
+            top=finite_top(logprob.top) if logprob is not None else [],
         )
 
 
-def _finite(value: float) -> float | None:
+def finite_or_none(value: float) -> float | None:
     """JSON has no infinities: a -inf log-probability is reported as null."""
     return value if math.isfinite(value) else None
+
+
+def finite_top(top: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """Alternatives JSON can carry: those with a finite log-probability."""
+    return [(i, lp) for i, lp in top if math.isfinite(lp)]
 
 
 class Admission:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
 from typing import Any
 
-from tgserve.router.generation import Generation, SequenceState, TokenInfo
+from tgserve.router.generation import Generation, SequenceState, TokenInfo, finite_or_none, finite_top
 from tgserve.router.tokenization import RouterTokenizer
 from tgserve.server.outputs import TokenLogprob
 
@@ -71,8 +70,8 @@ def completion_logprobs(
         text = tokenizer.token_text(token_id)
         logprob, top = None, None
         if entry is not None:
-            logprob = entry.logprob if math.isfinite(entry.logprob) else None
-            top = {tokenizer.token_text(i): lp for i, lp in entry.top if math.isfinite(lp)}
+            logprob = finite_or_none(entry.logprob)
+            top = {tokenizer.token_text(i): lp for i, lp in finite_top(entry.top)}
         _append_logprob(result, text, logprob, top, text_offset)
         text_offset += len(text)
     for token in tokens:

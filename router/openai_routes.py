@@ -88,16 +88,10 @@ def completion_body(state: RouterState, request: CompletionRequest, generation: 
         prefix = state.tokenizer.decode(spec.prompt_token_ids) if request.echo else ""
         for seq_index, seq in enumerate(fmt.best_sequences(generation, prompt_index, request.n)):
             logprobs = None
-            if request.logprobs is not None and request.echo:
-                logprobs = fmt.completion_logprobs(
-                    state.tokenizer,
-                    seq.tokens,
-                    0,
-                    spec.prompt_token_ids,
-                    generation.prompt_logprobs(prompt_index),
-                )
-            elif request.logprobs is not None:
-                logprobs = fmt.completion_logprobs(state.tokenizer, seq.tokens, 0)
+            if request.logprobs is not None:
+                echoed = spec.prompt_token_ids if request.echo else None
+                scored = generation.prompt_logprobs(prompt_index) if request.echo else None
+                logprobs = fmt.completion_logprobs(state.tokenizer, seq.tokens, 0, echoed, scored)
             index = prompt_index * request.n + seq_index
             choices.append(fmt.completion_choice(index, prefix + seq.text, logprobs, seq.finish_reason))
     body["choices"] = choices
@@ -121,16 +115,10 @@ async def completion_events(
             offset = offsets.get(index, 0)
             offsets[index] = offset + len(text)
             logprobs = None
-            if request.logprobs is not None and echoed:
-                logprobs = fmt.completion_logprobs(
-                    state.tokenizer,
-                    delta.tokens,
-                    offset,
-                    generation.specs[prompt_index].prompt_token_ids,
-                    generation.prompt_logprobs(prompt_index),
-                )
-            elif request.logprobs is not None and delta.tokens:
-                logprobs = fmt.completion_logprobs(state.tokenizer, delta.tokens, offset)
+            if request.logprobs is not None and (echoed or delta.tokens):
+                prompt_ids = generation.specs[prompt_index].prompt_token_ids if echoed else None
+                scored = generation.prompt_logprobs(prompt_index) if echoed else None
+                logprobs = fmt.completion_logprobs(state.tokenizer, delta.tokens, offset, prompt_ids, scored)
             if not text and logprobs is None and delta.finish_reason is None:
                 continue
             chunk = {**head, "choices": [fmt.completion_choice(index, text, logprobs, delta.finish_reason)]}
@@ -144,20 +132,31 @@ async def completion_events(
     yield sse("[DONE]")
 
 
-@router.post("/v1/completions")
-async def completions(request: Request) -> Response:
-    state = router_state(request)
-    parsed: list[CompletionRequest] = []
+async def serve_generation(request: Request, schema: type, specs, events, body) -> Response:
+    """Parse the body as `schema`, start the generation, answer as a stream or one JSON body.
 
-    def build(body: bytes) -> list[GenerationSpec]:
-        parsed.append(parse_json(CompletionRequest, body))
-        return completion_specs(state, parsed[0])
+    specs(state, parsed) -> GenerationSpecs; events(state, parsed, generation) -> SSE bytes;
+    body(state, parsed, generation) -> the JSON response.
+    """
+    state = router_state(request)
+    parsed: list[Any] = []
+
+    def build(raw: bytes) -> list[GenerationSpec]:
+        parsed.append(parse_json(schema, raw))
+        return specs(state, parsed[0])
 
     generation = await start_generation(request, build)
     if parsed[0].stream:
-        return EventStreamResponse(completion_events(state, parsed[0], generation), generation.close)
+        return EventStreamResponse(events(state, parsed[0], generation), generation.close)
     await until_disconnected(request, state.generator.run(generation))
-    return JSONResponse(completion_body(state, parsed[0], generation))
+    return JSONResponse(body(state, parsed[0], generation))
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    return await serve_generation(
+        request, CompletionRequest, completion_specs, completion_events, completion_body
+    )
 
 
 # ---- /v1/chat/completions --------------------------------------------------------------------
@@ -214,15 +213,4 @@ async def chat_events(
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
-    state = router_state(request)
-    parsed: list[ChatCompletionRequest] = []
-
-    def build(body: bytes) -> list[GenerationSpec]:
-        parsed.append(parse_json(ChatCompletionRequest, body))
-        return chat_specs(state, parsed[0])
-
-    generation = await start_generation(request, build)
-    if parsed[0].stream:
-        return EventStreamResponse(chat_events(state, parsed[0], generation), generation.close)
-    await until_disconnected(request, state.generator.run(generation))
-    return JSONResponse(chat_body(state, parsed[0], generation))
+    return await serve_generation(request, ChatCompletionRequest, chat_specs, chat_events, chat_body)

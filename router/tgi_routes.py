@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -10,7 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from tgserve.router.errors import RouterError
-from tgserve.router.generation import Generation, SequenceState, TokenInfo
+from tgserve.router.generation import Generation, SequenceState, TokenInfo, finite_or_none
 from tgserve.router.http import EventStreamResponse, parse_json, sse, until_disconnected
 from tgserve.router.state import RouterState, router_state, start_generation
 from tgserve.router.tgi_schemas import TGIRequest, tgi_knobs
@@ -54,7 +53,7 @@ def prefill_json(
         {
             "id": token_id,
             "text": state.tokenizer.token_text(token_id),
-            "logprob": entry.logprob if entry is not None and math.isfinite(entry.logprob) else None,
+            "logprob": None if entry is None else finite_or_none(entry.logprob),
         }
         for token_id, entry in zip(spec.prompt_token_ids, scored, strict=True)
     ]

@@ -33,6 +33,14 @@ class TensorParallel:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def broadcast_object(self, value: Any) -> Any:
+        """Rank 0's `value` on every rank (host objects, over the gloo group)."""
+        if self.world_size == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
+        return box[0]
+
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """Every shard's x side by side along the last dimension, in rank order."""
         if self.world_size == 1:
@@ -49,6 +57,11 @@ def tensor_parallel() -> TensorParallel:
     return _current
 
 
+# Every rank seeds its random generators alike, so that unseeded sampling, which each rank does from
+# the same gathered logits, draws the same tokens everywhere and the runners' copies stay equal.
+SHARD_SEED = 0
+
+
 def init_tensor_parallel(
     rank: int, world_size: int, init_method: str, backend: str | None = None
 ) -> TensorParallel:
@@ -59,6 +72,7 @@ def init_tensor_parallel(
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
         cpu_group = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
         _current = TensorParallel(rank, world_size, dist.group.WORLD, cpu_group)
+        torch.manual_seed(SHARD_SEED)
     else:
         _current = TensorParallel()
     return _current

@@ -20,11 +20,11 @@ from tgserve.server.core.scheduler import Scheduler
 from tgserve.server.distributed import TensorParallel, init_tensor_parallel, shutdown_tensor_parallel
 from tgserve.server.loader import ModelSource, load_config, load_tokenizer, resolve_model
 from tgserve.server.memory import MemoryProfile
-from tgserve.server.model_shard import ModelShard
+from tgserve.server.model_shard import build_shard
 from tgserve.server.outputs import EngineStats, RequestOutput, TokenLogprob
 from tgserve.server.runner import RunnerOutput
 from tgserve.server.sampling_params import InvalidRequestError, SamplingParams
-from tgserve.server.shard_workers import SHARD_SEED, broadcast, free_tcp_address, shard_device, start_workers
+from tgserve.server.shard_workers import free_tcp_address, shard_device, start_workers
 
 logger = logging.getLogger(__name__)
 
@@ -131,12 +131,8 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(self.config, self.tokenizer, self.source)
         self.vocab_size = int(self.config.vocab_size)
         self.tp, self.workers = self._join_shards()
-        self.shard = ModelShard(args, self.source, self.config, self.dtype, self.device, self.max_model_len)
-        self.runner = self.shard.runner
-        self.num_blocks = self.shard.size_kv_pool()
-        if self.workers:
-            broadcast(self.num_blocks, self.tp)  # every shard's pool gets rank 0's size
-        self.shard.allocate(self.num_blocks)
+        self.shard = build_shard(args, described, self.device, self.tp)
+        self.runner, self.num_blocks = self.shard.runner, self.shard.num_blocks
         self.memory_profile: MemoryProfile | None = self.shard.memory_profile
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -168,17 +164,16 @@ class LLMEngine:
         address = free_tcp_address()
         workers = start_workers(self.args, address)
         tp = init_tensor_parallel(0, size, address)
-        torch.manual_seed(SHARD_SEED)
         self.device = shard_device(self.device, 0)
         return tp, workers
 
     def close(self) -> None:
         """Stop the shard workers (nothing to do with one shard). Idempotent."""
         if self.workers:
-            broadcast(None, self.tp)
+            self.tp.broadcast_object(None)
             for worker in self.workers:
                 worker.join(timeout=30)
-            self.workers = []
+            self.workers, self.tp = [], TensorParallel()
             shutdown_tensor_parallel()
 
     # -- requests -------------------------------------------------------------------------------
@@ -234,8 +229,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, and report every request that gained a token or finished."""
         scheduler_output = self.scheduler.schedule()
-        if self.workers:
-            broadcast(scheduler_output, self.tp)
+        self.tp.broadcast_object(scheduler_output)  # to the other shards, if any
         runner_output = self.runner.execute(scheduler_output)
         self._last_step = (
             scheduler_output.total_num_scheduled_tokens,

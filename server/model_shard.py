@@ -16,6 +16,7 @@ import torch
 from tgserve.kernels.sparse.config import SparseConfig, load_sparse_config
 from tgserve.server.attention.backend import attention_backend
 from tgserve.server.cuda_graphs import DecodeGraphs
+from tgserve.server.distributed import TensorParallel
 from tgserve.server.kv_cache import allocate_kv_caches, kv_cache_specs, num_blocks_for_memory
 from tgserve.server.loader import ModelSource
 from tgserve.server.memory import MemoryProfile, profile_kv_budget
@@ -23,7 +24,7 @@ from tgserve.server.model_loader import load_model
 from tgserve.server.runner import ModelRunner
 
 if TYPE_CHECKING:
-    from tgserve.server.engine import EngineArgs
+    from tgserve.server.engine import EngineArgs, ModelDescription
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class ModelShard:
         backend = attention_backend(device, self._sparse_config())
         self.runner = ModelRunner(model, [], self.specs, backend, args.block_size, device)
         self.memory_profile: MemoryProfile | None = None
+        self.num_blocks = 0  # until `allocate`
 
     def _sparse_config(self) -> SparseConfig | None:
         """Sparse prefill patterns: the given file, else the model's `sparse_attention.json`, else defaults."""
@@ -100,6 +102,7 @@ class ModelShard:
 
     def allocate(self, num_blocks: int) -> None:
         """The KV pool, then (CUDA) the decode graphs, which capture steps over it."""
+        self.num_blocks = num_blocks
         self.runner.kv_caches = allocate_kv_caches(self.specs, num_blocks, self.args.block_size, self.device)
         if self.device.type == "cuda" and self.args.cuda_graphs:
             self._capture_graphs()
@@ -121,3 +124,16 @@ class ModelShard:
             logger.warning("CUDA graphs are off: this model's decode step cannot be captured (%s)", exc)
             return
         self.runner.graphs = graphs
+
+
+def build_shard(
+    args: EngineArgs, described: ModelDescription, device: torch.device, tp: TensorParallel
+) -> ModelShard:
+    """This rank's shard, ready to step. Every rank runs the same collectives in the same order here
+    (the profiling step, the pool size agreement, graph capture), so all of them call this."""
+    shard = ModelShard(
+        args, described.source, described.config, described.dtype, device, described.max_model_len
+    )
+    num_blocks = shard.size_kv_pool()
+    shard.allocate(tp.broadcast_object(num_blocks))  # rank 0's size: the pools must match
+    return shard

@@ -212,7 +212,7 @@ class ModelRunner:
     ) -> dict[str, tuple[int, list[TokenLogprob]]]:
         if not rows.spans:
             return {}
-        targets = torch.tensor(rows.target_ids, dtype=torch.int64, device=logits.device)
+        targets = to_device(rows.target_ids, torch.int64, logits.device)
         scored = token_logprobs(logits, targets, rows.top_n)
         result, offset = {}, 0
         for request_id, first, count in rows.spans:

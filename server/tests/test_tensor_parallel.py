@@ -3,8 +3,6 @@ of the unsharded model, for untied (llama) and tied, per-head-normed (qwen3) fix
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -15,9 +13,10 @@ from tgserve.server.loader import load_config, resolve_model
 from tgserve.server.memory import dummy_prefill_metadata
 from tgserve.server.model_loader import load_model
 from tgserve.server.runner import ModelRunner
+from tgserve.server.shard_workers import free_tcp_address
 from tgserve.server.testing.fixtures import fixture_path
 
-LENGTHS = [5, 17, 9]  # three fresh prompts in one flat batch
+NUM_TOKENS, NUM_PROMPTS = 31, 3  # fresh prompts of 11, 10 and 10 tokens in one flat batch
 
 
 def prompt_logits(path: str, world_size: int = 1) -> torch.Tensor:
@@ -31,30 +30,17 @@ def prompt_logits(path: str, world_size: int = 1) -> torch.Tensor:
     specs = kv_cache_specs(config, torch.float32, world_size)
     runner = ModelRunner(model, allocate_kv_caches(specs, 1, 8, torch.device("cpu")), specs,
                          CpuAttentionBackend(), 8, torch.device("cpu"))  # fmt: skip
-    metadata = dummy_prefill_metadata(sum(LENGTHS), len(LENGTHS), 8, torch.device("cpu"))
-    metadata.seq_lens_cpu[:] = LENGTHS  # dummy_prefill_metadata splits evenly: set the lengths asked for
-    starts = [0]
-    for n in LENGTHS:
-        starts.append(starts[-1] + n)
-    metadata.query_start_loc_cpu[:] = starts
-    metadata.query_start_loc = torch.tensor(starts, dtype=torch.int32)
-    metadata.seq_lens = torch.tensor(LENGTHS, dtype=torch.int32)
-    ids = torch.arange(sum(LENGTHS)) % 50 + 10
-    positions = torch.cat([torch.arange(n) for n in LENGTHS])
-    return runner.forward(ids, positions, metadata, torch.tensor(starts[1:]) - 1)
+    metadata = dummy_prefill_metadata(NUM_TOKENS, NUM_PROMPTS, 8, torch.device("cpu"))
+    ids = torch.arange(NUM_TOKENS) % 50 + 10
+    positions = torch.cat([torch.arange(n) for n in metadata.seq_lens_cpu])
+    return runner.forward(ids, positions, metadata, torch.tensor(metadata.query_start_loc_cpu[1:]) - 1)
 
 
-def _shard(rank: int, world_size: int, port: int, path: str, results) -> None:
+def _shard(rank: int, world_size: int, address: str, path: str, results) -> None:
     from tgserve.server.distributed import init_tensor_parallel
 
-    init_tensor_parallel(rank, world_size, f"tcp://127.0.0.1:{port}", backend="gloo")
+    init_tensor_parallel(rank, world_size, address, backend="gloo")
     results.put((rank, prompt_logits(path, world_size).numpy()))  # by value: the worker exits first
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -63,8 +49,8 @@ def test_two_shards_compute_the_unsharded_logits(arch: str) -> None:
     expected = prompt_logits(path)
     context = mp.get_context("spawn")
     results = context.Queue()
-    port = _free_port()
-    workers = [context.Process(target=_shard, args=(r, 2, port, path, results)) for r in range(2)]
+    address = free_tcp_address()
+    workers = [context.Process(target=_shard, args=(r, 2, address, path, results)) for r in range(2)]
     for worker in workers:
         worker.start()
     got = dict(results.get(timeout=120) for _ in workers)
