@@ -117,21 +117,22 @@ class FusedWeightLoader:
         for part, (fused, shard) in self.stacked.items():
             if f".{part}." in name:
                 target = name.replace(f".{part}.", f".{fused}.")
-                sizes = self.shard_sizes[fused]
-                start = sum(sizes[:shard])
-                param = self._param(target, name)
-                if hasattr(param, "weight_loader"):  # a sharded layer takes its own slice
-                    param.weight_loader(param, tensor, shard)
-                else:
-                    param.data[start : start + sizes[shard]].copy_(tensor)
+                self._copy(self._param(target, name), tensor, fused, shard)
                 self.loaded.add(f"{target}#{shard}")
                 return
-        param = self._param(name, name)
-        if hasattr(param, "weight_loader"):
-            param.weight_loader(param, tensor, None)
-        else:
-            param.data.copy_(tensor)
+        self._copy(self._param(name, name), tensor, None, None)
         self.loaded.add(name)
+
+    def _copy(self, param: nn.Parameter, tensor: torch.Tensor, fused: str | None, shard: int | None) -> None:
+        """Into `param`: its own loader's slice (sharded layers), else shard `shard`'s rows, else all."""
+        if hasattr(param, "weight_loader"):
+            param.weight_loader(param, tensor, shard)
+        elif shard is None:
+            param.data.copy_(tensor)
+        else:
+            sizes = self.shard_sizes[fused]
+            start = sum(sizes[:shard])
+            param.data[start : start + sizes[shard]].copy_(tensor)
 
     def _param(self, target: str, source: str) -> nn.Parameter:
         if target not in self.params:
