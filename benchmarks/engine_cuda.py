@@ -132,6 +132,7 @@ def engine_section(args: argparse.Namespace, model_dir: Path) -> dict[str, float
             max_model_len=8192,
             gpu_memory_utilization=args.gpu_memory_utilization,
             cuda_graphs=not args.eager,
+            async_scheduling=not args.no_async_scheduling,
         )
     )
     vocab = engine.vocab_size
@@ -218,7 +219,8 @@ def report(results: dict[str, float], args: argparse.Namespace) -> str:
         f"- date: {datetime.date.today()}",
         f"- commit: {_commit()}",
         f"- device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}",
-        f"- layers: {args.layers}, CUDA graphs: {not args.eager}, prefill budget {args.prefill_tokens} tokens",
+        f"- layers: {args.layers}, CUDA graphs: {not args.eager}, async scheduling: "
+        f"{not args.no_async_scheduling}, prefill budget {args.prefill_tokens} tokens",
         "",
         "| measure | engine | baseline (generate, same run) | target |",
         "|---|---|---|---|",
@@ -260,6 +262,9 @@ def main() -> None:
     )
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument(
+        "--no-async-scheduling", action="store_true", help="wait for each step's tokens before the next"
+    )
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument(
         "--profile-dir", type=Path, help="write decode kernel profiles (batch 1 and 256) here"

@@ -89,6 +89,12 @@ FLAGS: tuple[Flag, ...] = (
         "Share of GPU memory for weights, activations and the KV cache, which gets what is left",
     ),
     Flag("cuda-graphs", parse_bool, True, "Replay decode steps as CUDA graphs (CUDA)"),
+    Flag(
+        "async-scheduling",
+        parse_bool,
+        None,
+        "Schedule the next step while the device runs this one (default: on GPUs)",
+    ),
     Flag("sparse-prefill", parse_bool, True, "Sparse attention for long prompts (CUDA)"),
     Flag("sparse-min-tokens", int, None, "Shortest prompt that takes sparse prefill (default: the config's)"),
     Flag("sparse-config", str, None, "Per-layer sparse patterns, JSON (default: the model's, else built in)"),
@@ -177,6 +183,7 @@ def engine_args(args: argparse.Namespace) -> dict[str, Any]:
         ),
         "tensor_parallel_size": args.num_shard if args.num_shard and args.num_shard > 1 else None,
         "sparse_min_seq_len": args.sparse_min_tokens,
+        "async_scheduling": args.async_scheduling,
         "sparse_config": args.sparse_config,
     }
     result.update({key: value for key, value in optional.items() if value is not None})

@@ -17,12 +17,13 @@ import torch
 from tgserve.server.config import SchedulerConfig
 from tgserve.server.core.request import FinishReason, Request
 from tgserve.server.core.scheduler import Scheduler
+from tgserve.server.core.scheduler_output import SchedulerOutput
 from tgserve.server.distributed import TensorParallel, init_tensor_parallel, shutdown_tensor_parallel
 from tgserve.server.loader import ModelSource, load_config, load_tokenizer, resolve_model
 from tgserve.server.memory import MemoryProfile
 from tgserve.server.model_shard import build_shard
 from tgserve.server.outputs import EngineStats, RequestOutput, TokenLogprob
-from tgserve.server.runner import RunnerOutput
+from tgserve.server.runner import LaunchedStep, RunnerOutput
 from tgserve.server.sampling_params import InvalidRequestError, SamplingParams
 from tgserve.server.shard_workers import free_tcp_address, shard_device, start_workers
 
@@ -51,6 +52,9 @@ class EngineArgs:
     force_transformers_fallback: bool = False
     load_format: str = "auto"  # "dummy": random weights from the config alone (benchmarks)
     tensor_parallel_size: int = 1  # --num-shard: shards of the model, one device each (llama family)
+    # Schedule step N+1 while the device runs step N (None: on GPUs, where the host would otherwise
+    # idle the device; on the CPU there is nothing to overlap).
+    async_scheduling: bool | None = None
     # CUDA only
     gpu_memory_utilization: float = 0.9  # share of the GPU the engine may fill; the KV pool gets the rest
     cuda_graphs: bool = True  # decode steps replay captured graphs (batch sizes up to max_cuda_graph_batch)
@@ -145,6 +149,10 @@ class LLMEngine:
             )
         )
         self._last_step = (0, 0)
+        self.async_scheduling = (
+            self.device.type == "cuda" if args.async_scheduling is None else args.async_scheduling
+        )
+        self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         # Prompt log-probabilities gathered over a request's prefill chunks, sent with its first token.
         self._prompt_logprobs: dict[str, list[TokenLogprob]] = {}
         logger.info(
@@ -221,16 +229,34 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests()
 
     def needs_step(self) -> bool:
-        """Unfinished requests, or finished ones (aborts, stop strings) whose state a step releases."""
-        return self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_requests()
+        """Unfinished requests, finished ones (aborts, stop strings) whose state a step releases, or
+        a step in flight whose output is still to be read."""
+        return (
+            self.scheduler.has_unfinished_requests()
+            or self.scheduler.has_finished_requests()
+            or self._in_flight is not None
+        )
 
     # -- the loop -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, and report every request that gained a token or finished."""
+        """Schedule and launch a step, and report every request that gained a token or finished.
+
+        With async scheduling the outputs reported are the previous step's: this step was scheduled
+        and queued on the device before they were read, so the device never waits for the host.
+        """
         scheduler_output = self.scheduler.schedule()
         self.tp.broadcast_object(scheduler_output)  # to the other shards, if any
-        runner_output = self.runner.execute(scheduler_output)
+        launched = (scheduler_output, self.runner.launch(scheduler_output))
+        if not self.async_scheduling:
+            return self._apply(*launched)
+        previous = self._in_flight
+        self._in_flight = None if scheduler_output.is_empty else launched
+        return self._apply(*previous) if previous is not None else []
+
+    def _apply(self, scheduler_output: SchedulerOutput, launched: LaunchedStep) -> list[RequestOutput]:
+        """Read a launched step's tokens and hand them to the scheduler."""
+        runner_output = self.runner.collect(launched)
         self._last_step = (
             scheduler_output.total_num_scheduled_tokens,
             len(scheduler_output.num_scheduled_tokens),

@@ -2,6 +2,11 @@
 
 It keeps its own copy of each scheduled request's tokens and blocks (new requests arrive in full,
 running ones as diffs) and appends the tokens it samples, as the scheduler does on its side.
+
+A step is launched (`launch`: inputs, forward, sampling, all queued on the device) and collected
+later (`collect`: the sampled tokens read on the host). Between the two the next step can be
+launched: a token still on its way sits in the request's list as a placeholder, and the next step
+reads it from the device tensor it was sampled into, so the host never waits for the GPU in between.
 """
 
 from __future__ import annotations
@@ -20,9 +25,12 @@ from tgserve.server.cuda_graphs import DecodeGraphs
 from tgserve.server.forward_context import ForwardContext, forward_context
 from tgserve.server.kv_cache import KVCacheSpec
 from tgserve.server.outputs import TokenLogprob
-from tgserve.server.sampler import Sampler, SamplingRow, token_logprobs
+from tgserve.server.sampler import LogprobTensors, Sampler, SamplingRow, logprob_tensors
 from tgserve.server.sampling_params import SamplingParams
-from tgserve.server.transfer import pinned_to, to_device
+from tgserve.server.transfer import HostCopies, pinned_to, to_device
+
+# A sampled token whose value is still on the device.
+PLACEHOLDER = -1
 
 
 def padded_block_table(rows: list[list[int]]) -> torch.Tensor:
@@ -72,6 +80,24 @@ class StepInputs:
     prompt_rows: PromptLogprobRows
 
 
+@dataclass
+class LaunchedStep:
+    """A step queued on the device whose results the host has not read yet."""
+
+    sampled_request_ids: list[str]
+    token_ids: torch.Tensor | None = None  # [len(sampled_request_ids)] on the device
+    placeholder_index: list[int] = field(default_factory=list)  # where each token goes in its list
+    logprob_rows: list[int] = field(default_factory=list)
+    copies: HostCopies | None = None  # token ids, then logprob tensors, then prompt logprob tensors
+    logprobs: LogprobTensors | None = None
+    prompt_rows: PromptLogprobRows = field(default_factory=PromptLogprobRows)
+    prompt_logprobs: LogprobTensors | None = None
+    output: RunnerOutput | None = None  # once collected
+
+    def row_of(self) -> dict[str, int]:
+        return {request_id: row for row, request_id in enumerate(self.sampled_request_ids)}
+
+
 class ModelRunner:
     """Owns the model, the per-layer KV caches and the sampler for one device."""
 
@@ -93,12 +119,20 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests: dict[str, RunnerRequestState] = {}
         self.graphs: DecodeGraphs | None = None  # set by the engine on CUDA when graphs are on
+        self._pending: LaunchedStep | None = None  # the last step launched and not yet collected
+
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        """Run one step and wait for its tokens."""
+        return self.collect(self.launch(scheduler_output))
 
     @torch.inference_mode()
-    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+    def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
+        """Queue one step on the device: inputs, forward, sampling, and the copies of its results."""
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
-            return RunnerOutput()
+            return LaunchedStep([], output=RunnerOutput())
+        if self._pending is not None and self._needs_known_tokens(scheduler_output):
+            self.collect(self._pending)
         inputs = self._prepare_inputs(scheduler_output)
         if self._fits_graph(inputs):
             meta = inputs.metadata
@@ -108,9 +142,52 @@ class ModelRunner:
         else:
             logits = self.forward(inputs.input_ids, inputs.positions, inputs.metadata, inputs.logits_indices)
         num_sampled = len(inputs.sampled_request_ids)
-        result = self._sample(logits[:num_sampled], inputs.sampled_request_ids)
-        result.prompt_logprobs = self._score_prompt(logits[num_sampled:], inputs.prompt_rows)
+        step = self._sample(logits[:num_sampled], inputs.sampled_request_ids)
+        step.prompt_rows = inputs.prompt_rows
+        step.prompt_logprobs = self._score_prompt(logits[num_sampled:], inputs.prompt_rows)
+        tensors = [step.token_ids] if step.token_ids is not None else []
+        for logprobs in (step.logprobs, step.prompt_logprobs):
+            tensors += logprobs.tensors() if logprobs is not None else []
+        step.copies = HostCopies(tensors)
+        self._pending = step
+        return step
+
+    def collect(self, step: LaunchedStep) -> RunnerOutput:
+        """The step's sampled tokens and log-probabilities, read on the host (waits for that step only)."""
+        if step.output is not None:
+            return step.output
+        host = step.copies.wait() if step.copies is not None else []
+        token_ids = host[0].tolist() if step.token_ids is not None else []
+        result = RunnerOutput()
+        for request_id, index, token_id in zip(
+            step.sampled_request_ids, step.placeholder_index, token_ids, strict=True
+        ):
+            state = self.requests.get(request_id)
+            if state is not None and index < len(state.token_ids) and state.token_ids[index] == PLACEHOLDER:
+                state.token_ids[index] = token_id
+            result.sampled_token_ids[request_id] = token_id
+        offset = 0 if step.token_ids is None else 1  # the token ids come first, when there are any
+        if step.logprobs is not None:
+            logprobs = step.logprobs.replace_tensors(host[offset : offset + 4]).to_list()
+            for row, logprob in zip(step.logprob_rows, logprobs, strict=True):
+                result.logprobs[step.sampled_request_ids[row]] = logprob
+            offset += 4
+        if step.prompt_logprobs is not None:
+            scored = step.prompt_logprobs.replace_tensors(host[offset : offset + 4]).to_list()
+            result.prompt_logprobs = self._split_prompt_logprobs(scored, step.prompt_rows)
+        step.output = result
+        if self._pending is step:
+            self._pending = None
         return result
+
+    def _needs_known_tokens(self, out: SchedulerOutput) -> bool:
+        """A request with penalties reads its whole output: its tokens in flight must be known first."""
+        pending = set(self._pending.sampled_request_ids)
+        return any(
+            self.requests[request_id].params.needs_penalties
+            for request_id in out.num_scheduled_tokens
+            if request_id in pending
+        )
 
     @torch.inference_mode()
     def forward(
@@ -163,16 +240,21 @@ class ModelRunner:
         query_start_loc, seq_lens, logits_indices, sampled = [0], [], [], []
         prompt_rows, prompt_indices = PromptLogprobRows(), []
         block_rows = []
+        in_flight: list[tuple[int, str]] = []  # (input row, request) for tokens still on the device
         bs = self.block_size
         for request_id in self._scheduled_ids(out):
             state = self.requests[request_id]
             start, count = state.num_computed_tokens, out.num_scheduled_tokens[request_id]
             end = start + count
             if count == 1:  # a decoding request: most rows of most steps
+                if state.token_ids[start] == PLACEHOLDER:
+                    in_flight.append((len(ids), request_id))
                 ids.append(state.token_ids[start])
                 positions.append(start)
                 slots.append(state.block_ids[start // bs] * bs + start % bs)
             else:
+                if state.token_ids[end - 1] == PLACEHOLDER:  # only a lone decode token can be in flight
+                    raise RuntimeError(f"request {request_id!r} was scheduled past its known tokens")
                 ids.extend(state.token_ids[start:end])
                 positions.extend(range(start, end))
                 slots.extend(state.block_ids[p // bs] * bs + p % bs for p in range(start, end))
@@ -198,7 +280,7 @@ class ModelRunner:
             block_size=bs,
         )
         return StepInputs(
-            input_ids=to_device(ids, torch.int64, self.device),
+            input_ids=self._fill_in_flight(to_device(ids, torch.int64, self.device), in_flight),
             positions=to_device(positions, torch.int64, self.device),
             logits_indices=to_device(logits_indices + prompt_indices, torch.int64, self.device),
             metadata=metadata,
@@ -206,34 +288,48 @@ class ModelRunner:
             prompt_rows=prompt_rows,
         )
 
+    def _fill_in_flight(self, input_ids: torch.Tensor, in_flight: list[tuple[int, str]]) -> torch.Tensor:
+        """Input rows whose token the last step is still sampling take it from that step's device tensor."""
+        if not in_flight:
+            return input_ids
+        row_of = self._pending.row_of()
+        rows = to_device([row for row, _ in in_flight], torch.int64, self.device)
+        sources = to_device([row_of[request_id] for _, request_id in in_flight], torch.int64, self.device)
+        input_ids[rows] = self._pending.token_ids[sources]
+        return input_ids
+
     @staticmethod
-    def _score_prompt(
-        logits: torch.Tensor, rows: PromptLogprobRows
-    ) -> dict[str, tuple[int, list[TokenLogprob]]]:
+    def _score_prompt(logits: torch.Tensor, rows: PromptLogprobRows) -> LogprobTensors | None:
         if not rows.spans:
-            return {}
-        targets = to_device(rows.target_ids, torch.int64, logits.device)
-        scored = token_logprobs(logits, targets, rows.top_n)
+            return None
+        return logprob_tensors(logits, to_device(rows.target_ids, torch.int64, logits.device), rows.top_n)
+
+    @staticmethod
+    def _split_prompt_logprobs(
+        scored: list[TokenLogprob], rows: PromptLogprobRows
+    ) -> dict[str, tuple[int, list[TokenLogprob]]]:
         result, offset = {}, 0
         for request_id, first, count in rows.spans:
             result[request_id] = (first, scored[offset : offset + count])
             offset += count
         return result
 
-    def _sample(self, logits: torch.Tensor, request_ids: list[str]) -> RunnerOutput:
-        # num_computed_tokens is not advanced here: the next SchedulerOutput carries it.
+    def _sample(self, logits: torch.Tensor, request_ids: list[str]) -> LaunchedStep:
+        """Sample on the device; each sampled request's list gets a placeholder until `collect`.
+
+        num_computed_tokens is not advanced here: the next SchedulerOutput carries it.
+        """
         if not request_ids:
-            return RunnerOutput()
+            return LaunchedStep([])
         rows = [self._sampling_row(self.requests[r]) for r in request_ids]
         sampled = self.sampler(logits, rows)
-        token_ids = sampled.token_ids.tolist()
-        result = RunnerOutput()
-        for i, request_id in enumerate(request_ids):
-            self.requests[request_id].token_ids.append(token_ids[i])
-            result.sampled_token_ids[request_id] = token_ids[i]
-            if sampled.logprobs[i] is not None:
-                result.logprobs[request_id] = sampled.logprobs[i]
-        return result
+        step = LaunchedStep(request_ids, sampled.token_ids, logprob_rows=sampled.logprob_rows)
+        step.logprobs = sampled.logprob_tensors
+        for request_id in request_ids:
+            token_ids = self.requests[request_id].token_ids
+            step.placeholder_index.append(len(token_ids))
+            token_ids.append(PLACEHOLDER)
+        return step
 
     @staticmethod
     def _sampling_row(state: RunnerRequestState) -> SamplingRow:

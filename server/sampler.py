@@ -41,11 +41,53 @@ class SamplingRow:
 
 
 @dataclass
+class LogprobTensors:
+    """Log-probabilities of chosen tokens and their top alternatives, still as tensors: on the
+    device until a step's output is collected, so computing them never makes the host wait."""
+
+    chosen_ids: torch.Tensor  # [n] int64
+    chosen: torch.Tensor  # [n] float32
+    top_ids: torch.Tensor  # [n, max top_n] int64
+    top_values: torch.Tensor  # [n, max top_n] float32
+    top_n: list[int]  # alternatives wanted per row
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.chosen_ids, self.chosen, self.top_ids, self.top_values]
+
+    def replace_tensors(self, tensors: list[torch.Tensor]) -> LogprobTensors:
+        """The same rows over other copies of the tensors (e.g. host copies of `tensors()`)."""
+        return LogprobTensors(*tensors, self.top_n)
+
+    def to_list(self) -> list[TokenLogprob]:
+        chosen_ids, chosen = self.chosen_ids.tolist(), self.chosen.tolist()
+        top_ids, top_values = self.top_ids.tolist(), self.top_values.tolist()
+        return [
+            TokenLogprob(
+                token_id=chosen_ids[j],
+                logprob=chosen[j],
+                top=list(zip(top_ids[j][:k], top_values[j][:k], strict=True)),
+            )
+            for j, k in enumerate(self.top_n)
+        ]
+
+
+@dataclass
 class SamplerOutput:
-    """The chosen token per row ([B] int64, on the logits' device) and, where asked, its logprobs."""
+    """The chosen token per row ([B] int64, on the logits' device) and, for the rows
+    `logprob_rows` that asked, their log-probabilities."""
 
     token_ids: torch.Tensor
-    logprobs: list[TokenLogprob | None]
+    logprob_rows: list[int]
+    logprob_tensors: LogprobTensors | None
+
+    @property
+    def logprobs(self) -> list[TokenLogprob | None]:
+        """Per row, its logprobs or None; reads them on the host (waits for the device)."""
+        out: list[TokenLogprob | None] = [None] * self.token_ids.shape[0]
+        if self.logprob_tensors is not None:
+            for i, logprob in zip(self.logprob_rows, self.logprob_tensors.to_list(), strict=True):
+                out[i] = logprob
+        return out
 
 
 def _splitmix64(x: int) -> int:
@@ -226,7 +268,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """logits: [B, V], any float dtype; rows: B rows in the same order."""
         if all(_only_argmax(r.params) for r in rows):
-            return SamplerOutput(logits.argmax(dim=-1), [None] * len(rows))
+            return SamplerOutput(logits.argmax(dim=-1), [], None)
         # A copy, because .float() of float32 logits would alias (and let us mutate) the caller's tensor.
         x = logits.to(torch.float32, copy=True)
         x = apply_penalties(apply_logit_bias(x, rows), rows)
@@ -237,7 +279,8 @@ class Sampler:
         elif sampled:
             index = to_device(sampled, torch.int64, x.device)
             token_ids[index] = self._sample(x[index], [rows[i] for i in sampled])
-        return SamplerOutput(token_ids, compute_logprobs(logits, token_ids, rows))
+        wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        return SamplerOutput(token_ids, wanted, compute_logprobs(logits, token_ids, rows, wanted))
 
     def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """Exponential race over the warped distribution; seeded rows use noise from (seed, step) alone."""
@@ -257,33 +300,24 @@ class Sampler:
 
 
 def compute_logprobs(
-    logits: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SamplingRow]
-) -> list[TokenLogprob | None]:
-    """The model's own log-probabilities (raw logits): the chosen token's and the top n, best first."""
-    wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-    out: list[TokenLogprob | None] = [None] * len(rows)
+    logits: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SamplingRow], wanted: list[int]
+) -> LogprobTensors | None:
+    """The model's own log-probabilities (raw logits) of rows `wanted`: the chosen token's and the top n."""
     if not wanted:
-        return out
+        return None
     index = to_device(wanted, torch.int64, logits.device)
-    found = token_logprobs(logits[index], token_ids[index], [rows[i].params.logprobs or 0 for i in wanted])
-    for i, logprob in zip(wanted, found, strict=True):
-        out[i] = logprob
-    return out
+    return logprob_tensors(logits[index], token_ids[index], [rows[i].params.logprobs or 0 for i in wanted])
+
+
+def logprob_tensors(logits: torch.Tensor, token_ids: torch.Tensor, top_n: Sequence[int]) -> LogprobTensors:
+    """Per row of logits: the log-probability of token_ids[row] and the row's top_n[row] best alternatives."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = log_probs.gather(1, token_ids[:, None]).squeeze(1)
+    n = min(max(top_n, default=0), logits.shape[-1])
+    top_values, top_ids = torch.topk(log_probs, n, dim=-1) if n else (log_probs[:, :0], log_probs[:, :0])
+    return LogprobTensors(token_ids, chosen, top_ids.long(), top_values, list(top_n))
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_n: Sequence[int]) -> list[TokenLogprob]:
-    """Per row of logits: the log-probability of token_ids[row] and the row's top_n[row] alternatives."""
-    log_probs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = log_probs.gather(1, token_ids[:, None]).squeeze(1).tolist()
-    chosen_ids = token_ids.tolist()
-    n = min(max(top_n, default=0), logits.shape[-1])
-    top_values, top_ids = torch.topk(log_probs, n, dim=-1) if n else (log_probs[:, :0], log_probs[:, :0])
-    top_values, top_ids = top_values.tolist(), top_ids.long().tolist()
-    return [
-        TokenLogprob(
-            token_id=chosen_ids[j],
-            logprob=chosen[j],
-            top=list(zip(top_ids[j][:k], top_values[j][:k], strict=True)),
-        )
-        for j, k in enumerate(top_n)
-    ]
+    """`logprob_tensors`, read on the host."""
+    return logprob_tensors(logits, token_ids, top_n).to_list()

@@ -60,9 +60,15 @@ def worker_main(rank: int, args: EngineArgs, init_method: str) -> None:
     tp = init_tensor_parallel(rank, args.tensor_parallel_size, init_method)
     described = load_model_description(args)
     shard = build_shard(args, described, shard_device(described.device, rank), tp)
+    # Each step is launched before the last one's tokens are read, as rank 0 does with async
+    # scheduling: a worker whose host waited for its GPU would hold every rank at the next collective.
+    in_flight = None
     while True:
         scheduler_output = tp.broadcast_object(None)
         if scheduler_output is None:
             break
-        shard.runner.execute(scheduler_output)
+        launched = shard.runner.launch(scheduler_output)
+        if in_flight is not None:
+            shard.runner.collect(in_flight)
+        in_flight = launched
     shutdown_tensor_parallel()

@@ -49,6 +49,8 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        # Tokens being sampled by steps whose output has not arrived yet (async scheduling).
+        self.num_output_placeholders = 0
         # Prompt tokens found in the prefix cache the first time the request was scheduled.
         self.num_cached_tokens = -1
         self.num_preemptions = 0

@@ -26,11 +26,18 @@ class _StepPlan:
         self.new: list[NewRequestData] = []
         self.cached: list[CachedRequestData] = []
         self.num_scheduled: dict[str, int] = {}
+        self.sampling: set[str] = set()
         self.preempted: set[str] = set()
 
     def add(self, request: Request, num_tokens: int) -> None:
+        """Schedule `num_tokens` of `request` and count them as computed from now on."""
         self.num_scheduled[request.request_id] = num_tokens
         self.budget -= num_tokens
+        request.num_computed_tokens += num_tokens
+        if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+            # Its last token is computed this step: one more token is on its way.
+            request.num_output_placeholders += 1
+            self.sampling.add(request.request_id)
 
 
 class Scheduler:
@@ -40,6 +47,13 @@ class Scheduler:
     `update_from_output(output, sampled_token_ids)`. Requests enter with `add_request` and leave by
     finishing (stop conditions), `abort_requests` or `finish_request`; finished ids reach the
     runner in the next `SchedulerOutput.finished_request_ids`.
+
+    Scheduled tokens count as computed as soon as they are scheduled, and a token being sampled
+    counts as a placeholder until its step's output arrives. So the next step can be scheduled
+    before the last one's tokens are known (async scheduling: the host plans step N+1 while the GPU
+    runs step N); a request whose pending tokens may finish it is not scheduled further, and the
+    one wasted step of a request that stops on a token it did not know yet is dropped in
+    `update_from_output`.
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager | None = None) -> None:
@@ -132,11 +146,8 @@ class Scheduler:
     # ---- one step --------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """Plan the next step. Does not advance num_computed_tokens: `update_from_output` does.
-
-        The only change made to a request's num_computed_tokens here is setting it to its
-        prefix-cache hits when it is admitted, since those tokens are already in the KV cache.
-        """
+        """Plan the next step; its tokens count as computed from here on (the output's request data
+        carry the counts from before the step, where the runner starts)."""
         plan = _StepPlan(self.config.max_num_batched_tokens)
         self._schedule_running(plan)
         # After a preemption the pool is known to be short: admitting newcomers would only get them
@@ -154,19 +165,33 @@ class Scheduler:
             total_num_scheduled_tokens=total,
             finished_request_ids=finished,
             preempted_request_ids=plan.preempted,
+            sampling_request_ids=frozenset(plan.sampling),
         )
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         i = 0
         while i < len(self.running) and plan.budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, plan.budget)
+            i += 1
+            if self._may_finish_on_pending(request):
+                continue
+            num_new = min(
+                request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
+                plan.budget,
+            )
             new_blocks = self._allocate_or_preempt(request, num_new, plan)
             if new_blocks is None:
                 break  # it preempted itself: it was the newest, nothing runs after it
-            plan.add(request, num_new)
             plan.cached.append(CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens))
-            i += 1
+            plan.add(request, num_new)
+
+    def _may_finish_on_pending(self, request: Request) -> bool:
+        """Its tokens in flight reach max_new_tokens or the length limit: another step would be waste."""
+        pending = request.num_output_placeholders
+        return pending > 0 and (
+            request.num_output_tokens + pending >= request.sampling_params.max_new_tokens
+            or request.num_tokens + pending >= self._max_len
+        )
 
     def _allocate_or_preempt(self, request: Request, num_new: int, plan: _StepPlan) -> list[int] | None:
         """Blocks for `request`, preempting the newest running requests until they fit.
@@ -197,6 +222,8 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.num_output_placeholders:
+                break  # preempted with a token in flight: it resumes once the token is known
             # A waiting request (new or preempted) has nothing in its own blocks; look up the cache
             # each time it is tried, since blocks may have been cached or evicted since.
             computed_blocks, num_cached = bm.get_computed_blocks(request)
@@ -210,7 +237,6 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
-            plan.add(request, num_new)
             plan.new.append(
                 NewRequestData(
                     request_id=request.request_id,
@@ -221,31 +247,38 @@ class Scheduler:
                     sampling_params=request.sampling_params,
                 )
             )
+            plan.add(request, num_new)
 
     # ---- after the step --------------------------------------------------------------------------
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, int]
     ) -> list[Request]:
-        """Apply a finished step: advance computed tokens, append sampled tokens, apply stop rules.
+        """Apply a step's sampled tokens: append them, apply stop rules, cache the blocks now full.
 
-        sampled_token_ids must hold a token for every request whose computed tokens reach its
-        num_tokens this step. Requests finished or aborted while the step ran are skipped.
-        Returns the requests that got a token (finished or not), in scheduling order.
+        sampled_token_ids must hold a token for every request the step sampled
+        (`scheduler_output.sampling_request_ids`). Requests finished or aborted since the step was
+        scheduled are skipped; one preempted since then still gets its token (it was sampled from
+        its whole context). Returns the requests that got a token (finished or not), in scheduling
+        order.
         """
         updated: list[Request] = []
-        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+        for request_id in scheduler_output.num_scheduled_tokens:
             request = self._requests.get(request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+            if request is None:
                 continue
-            request.num_computed_tokens += num_tokens
-            self.block_manager.cache_full_blocks(request, request.num_computed_tokens)
-            if request.num_computed_tokens < request.num_tokens:
-                continue  # a prefill chunk: no logits to sample from yet
-            if request_id not in sampled_token_ids:
+            token_id = sampled_token_ids.get(request_id)
+            if token_id is None and request_id in scheduler_output.sampling_request_ids:
                 raise ValueError(f"request {request_id!r} reached its last token but nothing was sampled")
-            token_id = sampled_token_ids[request_id]
-            request.append_output_token(token_id)
+            if token_id is not None:
+                request.num_output_placeholders -= 1
+                request.append_output_token(token_id)
+            # Blocks whose tokens are all known and computed (or being computed by a step already
+            # queued after this one: it runs first on the device) can serve other requests.
+            known = min(request.num_computed_tokens, request.num_tokens)
+            self.block_manager.cache_full_blocks(request, known)
+            if token_id is None:
+                continue
             reason = self._stop_reason(request, token_id)
             if reason is not None:
                 self._finish(request, reason)

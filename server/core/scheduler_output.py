@@ -42,6 +42,7 @@ class SchedulerOutput:
     num_scheduled_tokens[request_id] tokens are computed for each scheduled request, starting at its
     num_computed_tokens. A request is sampled after the step when that reaches all its tokens.
     finished_request_ids: requests (finished, aborted or preempted) whose runner state can be dropped.
+    sampling_request_ids: the requests that reach their last token this step and get a new one.
     """
 
     scheduled_new_requests: list[NewRequestData] = field(default_factory=list)
@@ -50,6 +51,7 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     finished_request_ids: set[str] = field(default_factory=set)
     preempted_request_ids: set[str] = field(default_factory=set)
+    sampling_request_ids: frozenset[str] = frozenset()
 
     @property
     def is_empty(self) -> bool:

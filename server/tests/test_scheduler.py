@@ -99,8 +99,9 @@ def check_invariants(sched: Scheduler, out: SchedulerOutput) -> None:
         request = sched.get_request(request_id)
         assert request is not None and request.status == RequestStatus.RUNNING
     for data in [*out.scheduled_new_requests, *out.scheduled_cached_requests]:
-        # The scheduler leaves num_computed_tokens alone until update_from_output.
-        assert data.num_computed_tokens == sched.get_request(data.request_id).num_computed_tokens
+        # Scheduled tokens count as computed at once; the request data say where the step starts.
+        num_after = data.num_computed_tokens + out.num_scheduled_tokens[data.request_id]
+        assert num_after == sched.get_request(data.request_id).num_computed_tokens
     bm = sched.block_manager
     owned = {b for r in sched.running for b in bm.get_block_ids(r.request_id)}
     assert len(owned) + bm.num_free_blocks == bm.num_total_blocks
@@ -169,11 +170,11 @@ def test_chunked_prefill_under_a_small_budget() -> None:
     sched.add_request(request)
     for start, num in [(0, 16), (16, 16), (32, 16), (48, 2)]:
         out = sched.schedule()
-        assert out.num_scheduled_tokens == {"a": num} and request.num_computed_tokens == start
+        assert out.num_scheduled_tokens == {"a": num} and request.num_computed_tokens == start + num
         data = (out.scheduled_new_requests or out.scheduled_cached_requests)[0]
         assert data.num_computed_tokens == start
         updated = sched.update_from_output(out, runner.execute(out))
-        assert updated == ([request] if num == 2 else []) and request.num_computed_tokens == start + num
+        assert updated == ([request] if num == 2 else [])
     run(sched, runner)
     assert request.output_token_ids == reference(list(range(50)), 2)
 
