@@ -174,6 +174,9 @@ class Scheduler:
             request = self.running[i]
             i += 1
             if self._may_finish_on_pending(request):
+                # Nothing more is computed for it, so its blocks can serve others now: the step still
+                # writing them runs before any step that reuses them.
+                self.block_manager.free(request)
                 continue
             num_new = min(
                 request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
