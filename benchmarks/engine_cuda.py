@@ -70,13 +70,15 @@ def prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[list[int
 
 
 def run_engine(engine: LLMEngine, batch: list[list[int]], new_tokens: int) -> dict[str, float]:
-    """Submit everything, step to the end. Times to the first token of all, and to the end."""
+    """Submit everything, step to the end. Times to the first token of all, and to the end; the
+    wall time of the steps that scheduled prompt tokens (and the first step after them, whose
+    outputs they are) apart from the decode-only steps after them."""
     torch.cuda.synchronize()
     start = time.perf_counter()
     for i, prompt in enumerate(batch):
         params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
         engine.add_request(f"r{start}-{i}", prompt, params)
-    first_all, produced, decode_steps = None, 0, []
+    first_all, produced, decode_steps, last_prefill = None, 0, [], 0.0
     while engine.has_unfinished_requests():
         step_start = time.perf_counter()
         produced += sum(len(o.new_token_ids) for o in engine.step())
@@ -85,6 +87,9 @@ def run_engine(engine: LLMEngine, batch: list[list[int]], new_tokens: int) -> di
             stats.step_num_tokens == stats.step_num_seqs == len(batch)
         ):  # every request decoding: the steady state
             decode_steps.append(time.perf_counter() - step_start)
+        scheduled = engine.scheduler.stats()
+        if scheduled.step_num_tokens > scheduled.step_num_seqs:  # this step has prompt tokens
+            last_prefill = time.perf_counter()
         if first_all is None and produced >= len(batch):
             first_all = time.perf_counter() - start
     total = time.perf_counter() - start
@@ -93,6 +98,7 @@ def run_engine(engine: LLMEngine, batch: list[list[int]], new_tokens: int) -> di
     return {
         "total_s": total,
         "prefill_s": first_all or total,
+        "prompt_phase_s": last_prefill - start if last_prefill else 0.0,
         "output_tokens": produced,
         "decode_step_s": median,
     }
@@ -121,6 +127,16 @@ def kernel_profile(engine: LLMEngine, batch: list[list[int]], path: Path) -> Non
     path.write_text(table)
 
 
+def prefill_profile(engine: LLMEngine, vocab: int, path: Path) -> None:
+    """The GPU kernels of two full prefill steps (64 prompts of 512 tokens at a 16K budget)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run_engine(engine, prompts(64, 512, vocab, seed=7), 1)
+        torch.cuda.synchronize()
+    path.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+
+
 def engine_section(args: argparse.Namespace, model_dir: Path) -> dict[str, float]:
     torch.cuda.reset_peak_memory_stats()
     engine = LLMEngine(
@@ -147,12 +163,14 @@ def engine_section(args: argparse.Namespace, model_dir: Path) -> dict[str, float
     many = run_engine(engine, prompts(256, 512, vocab, seed=1), 128)
     results["b_total_s"] = many["total_s"]
     results["b_prefill_s"] = many["prefill_s"]
+    results["b_prompt_phase_s"] = many["prompt_phase_s"]
     results["b_output_tok_s"] = many["output_tokens"] / many["total_s"]
     results["a_decode_step_ms"] = one["decode_step_s"] * 1e3
     results["b_decode_step_ms"] = many["decode_step_s"] * 1e3
     if args.profile_dir:
         kernel_profile(engine, prompts(1, 512, vocab, seed=5), args.profile_dir / "profile-batch1.txt")
         kernel_profile(engine, prompts(256, 512, vocab, seed=6), args.profile_dir / "profile-batch256.txt")
+        prefill_profile(engine, vocab, args.profile_dir / "profile-prefill.txt")
     results["d_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     results["d_device_gib"] = torch.cuda.get_device_properties(0).total_memory / 2**30
     return results
@@ -228,7 +246,8 @@ def report(results: dict[str, float], args: argparse.Namespace) -> str:
         f"{1e3 / r['generate_b1_tok_s']:.1f} | <= 4.4 (roofline 3.86) |"
         if "generate_b1_tok_s" in r
         else f"| (a) batch-1 decode, ms/token | {r['a_ms_per_token']:.2f} | - | <= 4.4 |",
-        f"| (b) 256 x (512 + 128): total s | {r['b_total_s']:.2f} (prefill {r['b_prefill_s']:.2f}) | - | <= 5.1 |",
+        f"| (b) 256 x (512 + 128): total s | {r['b_total_s']:.2f} (steps with prompt tokens: "
+        f"{r.get('b_prompt_phase_s', float('nan')):.2f}) | - | <= 5.1 |",
         f"| (b) output tokens/s | {r['b_output_tok_s']:.0f} | "
         f"{r.get('generate_b128_tok_s', float('nan')):.0f} (batch 128) | >= 6,400 |",
     ]

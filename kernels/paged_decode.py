@@ -6,7 +6,9 @@ Grouped-query natively: a program owns one KV head of one sequence and all the q
 share it (padded to 16 rows for tl.dot), so each key/value is read from HBM once per group, never
 repeated. Long contexts with few sequences are split along the context (flash-decoding): each
 split writes an unnormalised partial output plus its running max and sum, and a second small
-kernel merges them. The grid depends only on tensor shapes, so it can be captured in a CUDA graph.
+kernel merges them. The grid depends only on tensor shapes, so it can be captured in a CUDA graph;
+each sequence divides its own context among the splits, so a graph sized for long contexts still
+spreads a short one over many programs instead of leaving it to a few.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ def _decode_kernel(
     sm_scale,
     softcap,
     window,
-    partition,
     stride_qs,
     stride_qh,
     stride_os,
@@ -68,9 +69,10 @@ def _decode_kernel(
         q_ptr + seq * stride_qs + heads[:, None] * stride_qh + dims[None, :], mask=row_mask, other=0.0
     )
 
+    # This sequence's context in num_splits whole tiles' worth each: splits past its end have nothing.
+    partition = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
     lo = split * partition
-    # The last split runs to the end of the context even if max_seq_len underestimated it.
-    hi = tl.where(split == num_splits - 1, ctx, tl.minimum(lo + partition, ctx))
+    hi = tl.minimum(lo + partition, ctx)
     first = 0
     if USE_WINDOW:
         first = q_pos - window + 1
@@ -174,8 +176,6 @@ def paged_decode(
     block_n = block_n or (16 if interpreting() else 64)
     max_context = max_seq_len or block_tables.shape[1] * block_size
     splits = num_splits or choose_splits(num_seqs, num_kv_heads, max_context, block_n)
-    partition = triton.cdiv(triton.cdiv(max_context, splits), block_n) * block_n
-    splits = triton.cdiv(max_context, partition)
     block_d = triton.next_power_of_2(head_dim)
     part_o = part_ml = out  # unused placeholders when there is a single split
     if splits > 1:
@@ -183,7 +183,7 @@ def paged_decode(
         part_ml = torch.empty(num_seqs * num_heads * splits, 2, dtype=torch.float32, device=query.device)
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
         query, kv_cache[0], kv_cache[1], block_tables, seq_lens, out, part_o, part_ml,
-        scale, softcap or 0.0, sliding_window or 0, partition,
+        scale, softcap or 0.0, sliding_window or 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
         group, head_dim, splits,

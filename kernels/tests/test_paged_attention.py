@@ -41,7 +41,7 @@ def test_decode_matches_reference(device, dtype, heads):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(
-    "window,softcap,splits", [(None, None, 3), (5, None, 1), (20, 2.0, 4), (None, 1.5, 1)]
+    "window,softcap,splits", [(None, None, 3), (5, None, 1), (20, 2.0, 4), (None, 1.5, 1), (None, None, 16)]
 )
 def test_decode_window_softcap_splits(device, dtype, window, softcap, splits):
     seq_lens = [3, 16, 33, 50]
