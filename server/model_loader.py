@@ -10,6 +10,7 @@ from torch import nn
 
 from tgserve.server.distributed import tensor_parallel
 from tgserve.server.errors import ModelLoadError
+from tgserve.server.hf_compat import dtype_kwargs
 from tgserve.server.loader import ModelSource, iter_safetensors, safetensors_files, verify_safetensors
 from tgserve.server.models.registry import architecture_name, check_supported, native_model_class
 
@@ -97,7 +98,7 @@ def _gguf_weights(source: ModelSource, config: Any) -> Iterator[tuple[str, torch
 
     try:
         hf_model = AutoModelForCausalLM.from_pretrained(
-            source.directory, gguf_file=source.gguf_file, config=config, dtype=torch.float32
+            source.directory, gguf_file=source.gguf_file, config=config, **dtype_kwargs(torch.float32)
         )
     except (OSError, ValueError, RuntimeError) as exc:
         raise ModelLoadError(f"cannot read GGUF weights {source.display_name}: {exc}") from exc

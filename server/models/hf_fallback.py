@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from tgserve.server.forward_context import get_forward_context, paged_attention
+from tgserve.server.hf_compat import dtype_kwargs
 from tgserve.server.models.paged_cache_adapter import PagedCacheAdapter, packed_context_mask
 
 ATTENTION_NAME = "tgserve_paged"
@@ -72,6 +73,9 @@ class TransformersFallbackModel(nn.Module):
         # transformers is renaming `past_key_values` to `cache` model by model.
         parameters = inspect.signature(hf_model.forward).parameters
         self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
+        # Some 4.x models (OPT and GPT-BigCode in 4.55, the Gaudi image's version) take no
+        # `logits_to_keep` and return every position's logits; those rows are picked here instead.
+        self._takes_logits_to_keep = "logits_to_keep" in parameters
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor
@@ -84,13 +88,10 @@ class TransformersFallbackModel(nn.Module):
                 self._cache_argument: PagedCacheAdapter(ctx),
                 "attention_mask": packed_context_mask(ctx, dtype=self._dtype()),
             }
-        out = self.hf_model(
-            input_ids=input_ids[None],
-            position_ids=positions[None],
-            logits_to_keep=logits_indices,
-            **kwargs,
-        )
-        return out.logits[0]
+        if self._takes_logits_to_keep:
+            kwargs["logits_to_keep"] = logits_indices
+        logits = self.hf_model(input_ids=input_ids[None], position_ids=positions[None], **kwargs).logits[0]
+        return logits if self._takes_logits_to_keep else logits[logits_indices]
 
     def _dtype(self) -> torch.dtype:
         return next(self.hf_model.parameters()).dtype
@@ -111,12 +112,12 @@ def load_fallback_model(
     hf_model = AutoModelForCausalLM.from_pretrained(
         path,
         config=config,
-        dtype=dtype,
         gguf_file=gguf_file,
         trust_remote_code=trust_remote_code,
         attn_implementation=ATTENTION_NAME
         if _class_supports_interface(config, trust_remote_code)
         else "eager",
+        **dtype_kwargs(dtype),
     )
     return TransformersFallbackModel(hf_model.to(device).eval())
 

@@ -14,11 +14,12 @@ from transformers.cache_utils import Cache
 
 from tgserve.kernels.reference import causal_mask, gather_kv, write_kv
 from tgserve.server.forward_context import ForwardContext
+from tgserve.server.hf_compat import empty_cache_init_kwargs
 
 
 class PagedCacheAdapter(Cache):
     def __init__(self, ctx: ForwardContext) -> None:
-        super().__init__(layers=[])
+        super().__init__(**empty_cache_init_kwargs())
         self.ctx = ctx
 
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None):  # noqa: ANN001, ANN201

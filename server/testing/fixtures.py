@@ -226,8 +226,10 @@ def random_model(arch: str, config: Any, seed: int) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from tgserve.server.hf_compat import dtype_kwargs
+
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, **dtype_kwargs(torch.float32))
     tiny_configs.finish_init(arch, model)
     return model.eval()
 

@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 
 from tgserve.server.default_model import default_model_gguf
+from tgserve.server.hf_compat import dtype_kwargs
+from tgserve.server.loader import ModelSource, load_tokenizer
 from tgserve.server.testing.fixtures import _publish_atomically, default_cache_dir
 
 
@@ -26,15 +28,19 @@ def smollm2_checkpoint(cache_dir: Path | None = None) -> Path:
 
 
 def _convert(out: Path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     gguf = default_model_gguf()
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # The weights are already dequantised; drop the GGUF marker so transformers saves them as they are.
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, **dtype_kwargs(torch.float32)
+    )
+    # The weights are already dequantised; drop the GGUF marker (transformers 5 records one, 4.55
+    # does not) so that transformers saves them as they are.
     config = model.config
-    del config.quantization_config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
     config.architectures = ["LlamaForCausalLM"]
-    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fresh = AutoModelForCausalLM.from_config(config, **dtype_kwargs(torch.float32))
     fresh.load_state_dict(model.state_dict())
     fresh.save_pretrained(out, safe_serialization=True)
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+    load_tokenizer(ModelSource(gguf.parent, gguf.name)).save_pretrained(out)

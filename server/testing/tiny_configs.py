@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from tgserve.server.hf_compat import set_config_dtype
+
 INIT_STD = 0.15
 HIDDEN = 64
 HEADS = 4
@@ -174,7 +176,10 @@ def gpt_neox(ids: TokenIds) -> Any:
         max_position_embeddings=MAX_POSITIONS,
         initializer_range=INIT_STD,
         use_parallel_residual=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        # Pythia's own config keys: transformers 4.x reads them as they are, 5.x folds them into
+        # `rope_parameters` (which 4.x would ignore).
+        rotary_pct=0.25,
+        rotary_emb_base=10000.0,
         **ids.as_kwargs(),
     )
 
@@ -256,7 +261,7 @@ def build_config(arch: str, ids: TokenIds) -> Any:
         raise KeyError(f"unknown fixture architecture {arch!r}; known: {', '.join(CONFIG_BUILDERS)}")
     config = CONFIG_BUILDERS[arch](ids)
     config.architectures = [ARCHITECTURE_CLASSES[arch]]
-    config.dtype = "float32"
+    set_config_dtype(config, "float32")
     return config
 
 

@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tgserve import LLM, SamplingParams
+from tgserve.server.hf_compat import dtype_kwargs
 from tgserve.server.testing.fixtures import fixture_path
 
 SCORED = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True, prompt_logprobs=2)
@@ -33,7 +34,7 @@ def assert_matches(entries: list, prompt: list[int], expected: torch.Tensor, top
 
 @pytest.fixture(scope="module")
 def reference() -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(fixture_path("llama"), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(fixture_path("llama"), **dtype_kwargs(torch.float32)).eval()
 
 
 def test_prompt_logprobs_match_transformers_across_chunks_and_preemption(reference) -> None:
