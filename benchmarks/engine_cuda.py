@@ -203,6 +203,15 @@ def long_prompt_section(args: argparse.Namespace, model_dir: Path) -> dict[str, 
         backend.sparse = config
         long = prompts(1, args.long_prompt, engine.vocab_size, seed=10 + seed)
         results[f"c_ttft_{name}_s"] = run_engine(engine, long, 1)["prefill_s"]
+    if args.profile_dir:  # the sparse prefill's kernels
+        from torch.profiler import ProfilerActivity, profile
+
+        backend.sparse = sparse
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            run_engine(engine, prompts(1, args.long_prompt, engine.vocab_size, seed=20), 1)
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+        (args.profile_dir / "profile-long-sparse.txt").write_text(table)
     return results
 
 
