@@ -95,6 +95,18 @@ FLAGS: tuple[Flag, ...] = (
         None,
         "Schedule the next step while the device runs this one (default: on GPUs)",
     ),
+    Flag(
+        "bucketing",
+        str,
+        None,
+        "Pad steps to static shapes, 'linear' or 'exponential' buckets (default: linear on HPUs, off elsewhere)",
+    ),
+    Flag("batch-bucket-size", int, 8, "Decode batch sizes are padded to multiples of this (static shapes)"),
+    Flag("prefill-batch-bucket-size", int, 4, "Sequences of a prefill step pad to multiples of this"),
+    Flag("pad-sequence-to-multiple-of", int, 128, "Tokens of a prefill step pad to multiples of this"),
+    Flag("warmup-enabled", parse_bool, True, "Compile every static shape before serving"),
+    Flag("enable-hpu-graph", parse_bool, True, "Replay steps as graphs (HPU graphs; CUDA graphs on CUDA)"),
+    Flag("limit-hpu-graph", parse_bool, False, "Graphs for decode steps only (saves device memory)"),
     Flag("sparse-prefill", parse_bool, True, "Sparse attention for long prompts (CUDA)"),
     Flag("sparse-min-tokens", int, None, "Shortest prompt that takes sparse prefill (default: the config's)"),
     Flag("sparse-config", str, None, "Per-layer sparse patterns, JSON (default: the model's, else built in)"),
@@ -184,10 +196,26 @@ def engine_args(args: argparse.Namespace) -> dict[str, Any]:
         "tensor_parallel_size": args.num_shard if args.num_shard and args.num_shard > 1 else None,
         "sparse_min_seq_len": args.sparse_min_tokens,
         "async_scheduling": args.async_scheduling,
+        "static_shapes": bucket_config(args),
         "sparse_config": args.sparse_config,
     }
     result.update({key: value for key, value in optional.items() if value is not None})
     return result
+
+
+def bucket_config(args: argparse.Namespace) -> dict[str, Any] | None:
+    """`BucketConfig` keywords when steps are padded to static shapes (asked for, or on an HPU)."""
+    if args.bucketing is None and args.device != "hpu":
+        return None
+    return {
+        "scheme": args.bucketing or "linear",
+        "batch_step": args.batch_bucket_size,
+        "prefill_batch_step": args.prefill_batch_bucket_size,
+        "token_step": args.pad_sequence_to_multiple_of,
+        "warmup": args.warmup_enabled,
+        "graphs": args.enable_hpu_graph,
+        "decode_graphs_only": args.limit_hpu_graph,
+    }
 
 
 def engine_environment(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> dict[str, str]:

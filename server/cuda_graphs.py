@@ -41,9 +41,10 @@ class DecodeGraphs:
         block_size: int,
         context_bound: int,
         device: torch.device,
+        sizes: list[int] | None = None,  # the batch sizes to capture (default: graph_batch_sizes)
     ) -> None:
         self.forward = forward
-        self.sizes = graph_batch_sizes(max_batch)
+        self.sizes = sorted(sizes) if sizes else graph_batch_sizes(max_batch)
         self.block_size = block_size
         self.context_bound = context_bound
         self.device = device

@@ -26,6 +26,7 @@ from tgserve.server.outputs import EngineStats, RequestOutput, TokenLogprob
 from tgserve.server.runner import LaunchedStep, RunnerOutput
 from tgserve.server.sampling_params import InvalidRequestError, SamplingParams
 from tgserve.server.shard_workers import free_tcp_address, shard_device, start_workers
+from tgserve.server.static_shapes import BucketConfig
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,8 @@ class EngineArgs:
     # Schedule step N+1 while the device runs step N (None: on GPUs, where the host would otherwise
     # idle the device; on the CPU there is nothing to overlap).
     async_scheduling: bool | None = None
+    # Steps padded to static shapes and every shape compiled before serving (None: on HPUs only).
+    static_shapes: BucketConfig | None = None
     # CUDA only
     gpu_memory_utilization: float = 0.9  # share of the GPU the engine may fill; the KV pool gets the rest
     cuda_graphs: bool = True  # decode steps replay captured graphs (batch sizes up to max_cuda_graph_batch)

@@ -57,6 +57,10 @@ def build_engine(engine_args: dict[str, Any]) -> Any:
         raise ValueError(
             f"this engine does not support {', '.join(unsupported)} (asked for by the launcher's flags)"
         )
+    if isinstance(engine_args.get("static_shapes"), dict):  # the launcher sends plain JSON
+        from tgserve.server.static_shapes import BucketConfig
+
+        engine_args = {**engine_args, "static_shapes": BucketConfig(**engine_args["static_shapes"])}
     return LLMEngine(EngineArgs(**engine_args))
 
 

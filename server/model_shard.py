@@ -22,6 +22,8 @@ from tgserve.server.loader import ModelSource
 from tgserve.server.memory import MemoryProfile, profile_kv_budget
 from tgserve.server.model_loader import load_model
 from tgserve.server.runner import ModelRunner
+from tgserve.server.static_runner import warm_up
+from tgserve.server.static_shapes import BucketConfig, StaticShapes
 
 if TYPE_CHECKING:
     from tgserve.server.engine import EngineArgs, ModelDescription
@@ -61,6 +63,11 @@ class ModelShard:
         self.specs = kv_cache_specs(config, dtype, args.tensor_parallel_size)
         backend = attention_backend(device, self._sparse_config())
         self.runner = ModelRunner(model, [], self.specs, backend, args.block_size, device)
+        self.buckets = args.static_shapes or (BucketConfig() if device.type == "hpu" else None)
+        if self.buckets is not None:
+            self.runner.static = StaticShapes(
+                self.buckets, args.max_num_seqs, args.max_num_batched_tokens, max_model_len, args.block_size
+            )
         self.memory_profile: MemoryProfile | None = None
         self.num_blocks = 0  # until `allocate`
 
@@ -101,11 +108,21 @@ class ModelShard:
         return num_blocks_for_memory(self.specs, args.block_size, self.memory_profile.kv_budget_bytes)
 
     def allocate(self, num_blocks: int) -> None:
-        """The KV pool, then (CUDA) the decode graphs, which capture steps over it."""
+        """The KV pool, then (CUDA) the decode graphs, which capture steps over it, then (static
+        shapes) the warmup of every other step shape."""
         self.num_blocks = num_blocks
         self.runner.kv_caches = allocate_kv_caches(self.specs, num_blocks, self.args.block_size, self.device)
-        if self.device.type == "cuda" and self.args.cuda_graphs:
+        graphs = self.args.cuda_graphs and (self.buckets is None or self.buckets.graphs)
+        if self.device.type == "cuda" and graphs:
             self._capture_graphs()
+        if self.runner.static is not None and self.buckets.warmup:
+            warm_up(
+                self.runner.forward,
+                self.runner.static,
+                self.runner.shape_log,
+                self.args.block_size,
+                self.device,
+            )
 
     def _capture_graphs(self) -> None:
         block_size = self.args.block_size
@@ -116,6 +133,8 @@ class ModelShard:
             block_size=block_size,
             context_bound=min(self.max_model_len, GRAPH_CONTEXT_BOUND),
             device=self.device,
+            # With static shapes the decode batch buckets are the graphs' sizes.
+            sizes=self.runner.static.decode_batch if self.runner.static is not None else None,
         )
         try:
             graphs.capture()

@@ -27,6 +27,8 @@ from tgserve.server.kv_cache import KVCacheSpec
 from tgserve.server.outputs import TokenLogprob
 from tgserve.server.sampler import LogprobTensors, Sampler, SamplingRow, logprob_tensors
 from tgserve.server.sampling_params import SamplingParams
+from tgserve.server.static_runner import ShapeLog, pad_step, step_shape
+from tgserve.server.static_shapes import StaticShapes
 from tgserve.server.transfer import HostCopies, pinned_to, to_device
 
 # A sampled token whose value is still on the device.
@@ -120,6 +122,9 @@ class ModelRunner:
         self.requests: dict[str, RunnerRequestState] = {}
         self.graphs: DecodeGraphs | None = None  # set by the engine on CUDA when graphs are on
         self._pending: LaunchedStep | None = None  # the last step launched and not yet collected
+        # Static-shape devices: steps run padded to these buckets (set by the shard when enabled).
+        self.static: StaticShapes | None = None
+        self.shape_log = ShapeLog()
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         """Run one step and wait for its tokens."""
@@ -134,13 +139,7 @@ class ModelRunner:
         if self._pending is not None and self._needs_known_tokens(scheduler_output):
             self.collect(self._pending)
         inputs = self._prepare_inputs(scheduler_output)
-        if self._fits_graph(inputs):
-            meta = inputs.metadata
-            logits = self.graphs.run(
-                inputs.input_ids, inputs.positions, meta.slot_mapping, meta.seq_lens, meta.block_tables
-            )
-        else:
-            logits = self.forward(inputs.input_ids, inputs.positions, inputs.metadata, inputs.logits_indices)
+        logits = self._run(inputs)[: inputs.logits_indices.shape[0]]  # padding rows dropped
         num_sampled = len(inputs.sampled_request_ids)
         step = self._sample(logits[:num_sampled], inputs.sampled_request_ids)
         step.prompt_rows = inputs.prompt_rows
@@ -179,6 +178,20 @@ class ModelRunner:
         if self._pending is step:
             self._pending = None
         return result
+
+    def _run(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits of the step's logits rows: from a captured decode graph, else from a forward over
+        the step, padded to its static shape when the device compiles per shape."""
+        if self._fits_graph(inputs):
+            meta = inputs.metadata
+            return self.graphs.run(
+                inputs.input_ids, inputs.positions, meta.slot_mapping, meta.seq_lens, meta.block_tables
+            )
+        if self.static is not None:
+            shape = step_shape(self.static, inputs)
+            self.shape_log.record(shape)
+            inputs = pad_step(inputs, shape)
+        return self.forward(inputs.input_ids, inputs.positions, inputs.metadata, inputs.logits_indices)
 
     def _needs_known_tokens(self, out: SchedulerOutput) -> bool:
         """A request with penalties reads its whole output: its tokens in flight must be known first."""

@@ -8,6 +8,11 @@ Two schemes, as vLLM's Gaudi plugin names them:
 - exponential (min, max): powers of two from min, and max itself.
 tgi-gaudi's knobs map onto linear steps: BATCH_BUCKET_SIZE (decode batch), PREFILL_BATCH_BUCKET_SIZE
 (prefill batch) and PAD_SEQUENCE_TO_MULTIPLE_OF (prefill tokens).
+
+The engine's steps are flat variable-length batches (chunked prefill and decode rows mix), so a
+step is padded as a whole: a decode step to a batch bucket and a block-table bucket, any other
+step to a token bucket and a sequence bucket. Padding never needs the scheduler: the largest token
+bucket is the step's token budget.
 """
 
 from __future__ import annotations
@@ -48,72 +53,92 @@ def bucket_for(buckets: list[int], value: int, what: str) -> int:
 
 
 @dataclass(frozen=True)
+class BucketConfig:
+    """How steps are padded on static-shape devices; tgi-gaudi's environment names in comments
+    (the CLI reads them)."""
+
+    scheme: str = "linear"  # or "exponential"
+    batch_step: int = 8  # BATCH_BUCKET_SIZE: decode batch sizes
+    prefill_batch_step: int = 4  # PREFILL_BATCH_BUCKET_SIZE: sequences in a prefill step
+    token_step: int = 128  # PAD_SEQUENCE_TO_MULTIPLE_OF: tokens in a prefill step
+    warmup: bool = True  # WARMUP_ENABLED: compile every shape before serving
+    graphs: bool = True  # ENABLE_HPU_GRAPH: replay captured graphs (HPU graphs, CUDA graphs)
+    decode_graphs_only: bool = False  # LIMIT_HPU_GRAPH: graphs for decode steps only (saves memory)
+
+    def __post_init__(self) -> None:
+        if self.scheme not in ("linear", "exponential"):
+            raise ValueError(f"bucketing scheme must be 'linear' or 'exponential', got {self.scheme!r}")
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The padded shape of one step: what a graph is compiled (or captured) for.
+
+    A decode step (one token per sequence) is padded to `num_seqs` sequences of one token and a
+    block table of `num_blocks` columns; any other step to `num_tokens` tokens and `num_seqs`
+    sequences, its block table to the longest context the model allows. `num_logits` rows reach the
+    LM head.
+    """
+
+    decode: bool
+    num_tokens: int
+    num_seqs: int
+    num_blocks: int
+    num_logits: int
+
+
 class StaticShapes:
-    """Every dimension's buckets. A decode step is (batch, blocks per sequence); a prefill step is
-    (batch, tokens per sequence), its total bounded by the step's token budget."""
+    """The buckets of every dimension, from the engine's limits, and the shape of any step."""
 
-    decode_batch: list[int]
-    decode_blocks: list[int]
-    prefill_batch: list[int]
-    prefill_tokens: list[int]
-    max_batched_tokens: int
-
-    @classmethod
-    def from_limits(
-        cls,
+    def __init__(
+        self,
+        config: BucketConfig,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
         block_size: int,
-        scheme: str = "linear",
-        batch_step: int = 8,  # BATCH_BUCKET_SIZE
-        prefill_batch_step: int = 4,  # PREFILL_BATCH_BUCKET_SIZE
-        token_step: int = 128,  # PAD_SEQUENCE_TO_MULTIPLE_OF
-    ) -> StaticShapes:
-        max_blocks = -(-max_model_len // block_size)
-        max_prompt = min(max_model_len, max_num_batched_tokens)
-        max_prefill_batch = min(max_num_seqs, max_num_batched_tokens)
-        if scheme == "linear":
-            return cls(
-                linear_buckets(1, batch_step, max_num_seqs),
-                linear_buckets(1, max(1, token_step // block_size), max_blocks),
-                linear_buckets(1, prefill_batch_step, max_prefill_batch),
-                linear_buckets(min(token_step, max_prompt), token_step, max_prompt),
-                max_num_batched_tokens,
-            )
-        if scheme == "exponential":
-            return cls(
-                exponential_buckets(1, max_num_seqs),
-                exponential_buckets(1, max_blocks),
-                exponential_buckets(1, max_prefill_batch),
-                exponential_buckets(min(token_step, max_prompt), max_prompt),
-                max_num_batched_tokens,
-            )
-        raise ValueError(f"bucketing scheme must be 'linear' or 'exponential', got {scheme!r}")
+    ) -> None:
+        self.config = config
+        self.max_blocks = -(-max_model_len // block_size)
+        block_step = max(1, config.token_step // block_size)
+        min_tokens = min(config.token_step, max_num_batched_tokens)
+        if config.scheme == "linear":
+            self.decode_batch = linear_buckets(1, config.batch_step, max_num_seqs)
+            self.decode_blocks = linear_buckets(1, block_step, self.max_blocks)
+            self.prefill_seqs = linear_buckets(1, config.prefill_batch_step, max_num_seqs)
+            self.prefill_tokens = linear_buckets(min_tokens, config.token_step, max_num_batched_tokens)
+        else:
+            self.decode_batch = exponential_buckets(1, max_num_seqs)
+            self.decode_blocks = exponential_buckets(1, self.max_blocks)
+            self.prefill_seqs = exponential_buckets(1, max_num_seqs)
+            self.prefill_tokens = exponential_buckets(min_tokens, max_num_batched_tokens)
 
-    def decode_shape(self, num_seqs: int, max_blocks: int) -> tuple[int, int]:
-        return (
-            bucket_for(self.decode_batch, num_seqs, "decode batch"),
-            bucket_for(self.decode_blocks, max_blocks, "context blocks"),
-        )
+    def shape_for(self, num_tokens: int, num_seqs: int, num_blocks: int, num_logits: int) -> StepShape:
+        """The smallest shape that holds a step; raises ValueError naming the limit it exceeds."""
+        if num_tokens == num_seqs == num_logits:
+            batch = bucket_for(self.decode_batch, num_seqs, "decode batch")
+            blocks = bucket_for(self.decode_blocks, num_blocks, "context blocks")
+            return StepShape(True, batch, batch, blocks, batch)
+        tokens = bucket_for(self.prefill_tokens, num_tokens, "prefill tokens")
+        seqs = bucket_for(self.prefill_seqs, num_seqs, "prefill sequences")
+        # Prompt log-probabilities score every prompt token: then every padded token reaches the head.
+        logits = seqs if num_logits <= seqs else tokens
+        return StepShape(False, tokens, seqs, self.max_blocks, logits)
 
-    def prefill_shape(self, num_seqs: int, max_tokens: int) -> tuple[int, int]:
-        return (
-            bucket_for(self.prefill_batch, num_seqs, "prefill batch"),
-            bucket_for(self.prefill_tokens, max_tokens, "prefill tokens"),
-        )
-
-    def warmup_shapes(self) -> list[tuple[str, int, int]]:
-        """Every (phase, batch, length) to compile: prefill shapes whose padded size fits the token
-        budget (the scheduler must then count a prefill step's padded size against the budget, as
-        vLLM's Gaudi scheduler does: unpadded, three prompts of 700 tokens fit 2048 but pad to
-        3 x 768), and every decode shape. Largest first, so memory pools are sized by the first."""
+    def warmup_shapes(self) -> list[StepShape]:
+        """Every shape serving can meet (prompt log-probability steps aside), largest first so that
+        the first compiled sizes the memory pools."""
         prefill = [
-            ("prefill", batch, tokens)
-            for batch in self.prefill_batch
+            StepShape(False, tokens, seqs, self.max_blocks, seqs)
             for tokens in self.prefill_tokens
-            if batch * tokens <= self.max_batched_tokens or batch == 1
+            for seqs in self.prefill_seqs
+            if seqs <= tokens
         ]
-        decode = [("decode", batch, blocks) for batch in self.decode_batch for blocks in self.decode_blocks]
-        by_size = sorted(prefill, key=lambda s: s[1] * s[2], reverse=True)
-        return by_size + sorted(decode, key=lambda s: s[1] * s[2], reverse=True)
+        decode = [
+            StepShape(True, batch, batch, blocks, batch)
+            for batch in self.decode_batch
+            for blocks in self.decode_blocks
+        ]
+        return sorted(prefill, key=lambda s: (s.num_tokens, s.num_seqs), reverse=True) + sorted(
+            decode, key=lambda s: (s.num_seqs, s.num_blocks), reverse=True
+        )

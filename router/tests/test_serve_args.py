@@ -62,3 +62,16 @@ def test_hub_cache_reaches_the_engine_environment():
         "HF_TOKEN": "t",
         "HF_HUB_CACHE": "/data/hub",
     }
+
+
+def test_tgi_gaudi_bucketing_variables_reach_the_engine_as_a_bucket_config():
+    from tgserve.server.static_shapes import BucketConfig
+
+    assert "static_shapes" not in serve_args.engine_args(parse([]))  # off on CPU and CUDA by default
+    env = {"BATCH_BUCKET_SIZE": "16", "PAD_SEQUENCE_TO_MULTIPLE_OF": "256", "WARMUP_ENABLED": "false"}
+    sent = serve_args.engine_args(parse(["--device", "hpu"], env))["static_shapes"]
+    assert BucketConfig(**sent) == BucketConfig(batch_step=16, token_step=256, warmup=False)
+    sent = serve_args.engine_args(parse(["--bucketing", "exponential", "--limit-hpu-graph", "true"]))[
+        "static_shapes"
+    ]
+    assert BucketConfig(**sent) == BucketConfig(scheme="exponential", decode_graphs_only=True)

@@ -85,7 +85,12 @@ def _build_plan(metadata: AttentionMetadata, block_size: int) -> StepPlan:
         buckets.setdefault((-(-lens[i] // block_size) - 1).bit_length(), []).append(i)
     groups = [_decode_group(metadata, seqs, block_size) for seqs in buckets.values()]
     grouped = {i for seqs in buckets.values() for i in seqs}
-    prefill = [(i, starts[i], starts[i + 1], n) for i, n in enumerate(lens) if i not in grouped]
+    # Sequences without queries (padding of a static-shape step) have nothing to attend.
+    prefill = [
+        (i, starts[i], starts[i + 1], n)
+        for i, n in enumerate(lens)
+        if i not in grouped and starts[i + 1] > starts[i]
+    ]
     return StepPlan(groups, prefill, bool((metadata.slot_mapping >= 0).all()))
 
 

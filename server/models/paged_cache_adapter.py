@@ -51,7 +51,9 @@ def packed_context_mask(ctx: ForwardContext, dtype: torch.dtype) -> torch.Tensor
     meta = ctx.metadata
     device = meta.slot_mapping.device
     total = sum(meta.seq_lens_cpu)
-    allowed = torch.zeros(meta.query_start_loc_cpu[-1], total, dtype=torch.bool, device=device)
+    # Every token of the step has a row; padding tokens of a static-shape step (after the last
+    # sequence's queries) attend to nothing that matters and their rows are never read.
+    allowed = torch.zeros(meta.slot_mapping.shape[0], total, dtype=torch.bool, device=device)
     column = 0
     for i, seq_len in enumerate(meta.seq_lens_cpu):
         begin, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from tgserve.server.static_shapes import StaticShapes, bucket_for, exponential_buckets, linear_buckets
+from tgserve.server.static_shapes import (
+    BucketConfig,
+    StaticShapes,
+    StepShape,
+    bucket_for,
+    exponential_buckets,
+    linear_buckets,
+)
 
 
 def test_linear_ramps_up_in_powers_of_two_then_steps():
@@ -35,17 +42,43 @@ def test_bucket_for_picks_the_smallest_that_holds_and_names_the_limit():
 
 
 def test_shapes_from_the_engine_limits_cover_them():
-    shapes = StaticShapes.from_limits(max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=4096,
-                                      block_size=16)  # fmt: skip
+    shapes = StaticShapes(BucketConfig(), max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=4096,
+                          block_size=16)  # fmt: skip
     assert shapes.decode_batch[-1] == 64 and shapes.decode_blocks[-1] == 256
     assert shapes.prefill_tokens == list(range(128, 2049, 128))
-    assert shapes.decode_shape(9, 17) == (16, 24)
-    assert shapes.prefill_shape(3, 700) == (4, 768)
+    assert shapes.prefill_seqs == [1, 2, 4, *range(8, 65, 4)]
+    # A decode step: one token and one logits row per sequence.
+    assert shapes.shape_for(9, 9, 17, 9) == StepShape(True, 16, 16, 24, 16)
+    # Anything else pads tokens and sequences; the block table takes the model's longest context.
+    assert shapes.shape_for(700, 3, 5, 3) == StepShape(False, 768, 4, 256, 4)
+    assert shapes.shape_for(700, 3, 5, 40).num_logits == 768  # prompt log-probabilities: every token
+    with pytest.raises(ValueError, match="prefill tokens of 2049 exceeds the largest bucket, 2048"):
+        shapes.shape_for(2049, 3, 5, 3)
+
+
+def test_warmup_visits_every_shape_once_largest_first():
+    shapes = StaticShapes(BucketConfig(token_step=16, batch_step=4, prefill_batch_step=2), 8, 32, 64, 8)
     warmup = shapes.warmup_shapes()
     assert len(set(warmup)) == len(warmup)
-    assert all(b * t <= 2048 or b == 1 for phase, b, t in warmup if phase == "prefill")
-    assert ("decode", 64, 256) in warmup and ("decode", 1, 1) in warmup
-    exponential = StaticShapes.from_limits(64, 2048, 4096, 16, scheme="exponential")
+    prefill = [s for s in warmup if not s.decode]
+    decode = [s for s in warmup if s.decode]
+    assert {(s.num_tokens, s.num_seqs) for s in prefill} == {
+        (t, n) for t in (16, 32) for n in (1, 2, 4, 6, 8)
+    }
+    assert {(s.num_seqs, s.num_blocks) for s in decode} == {
+        (b, w) for b in (1, 2, 4, 8) for w in (1, 2, 4, 6, 8)
+    }
+    assert warmup[0] == StepShape(False, 32, 8, 8, 8) and warmup[-1] == StepShape(True, 1, 1, 1, 1)
+    # Every step the engine can schedule has a shape in the list.
+    for tokens in range(1, 33):
+        for seqs in range(1, min(tokens, 8) + 1):
+            for blocks in range(1, 9):
+                assert shapes.shape_for(tokens, seqs, blocks, seqs) in warmup
+
+
+def test_schemes():
+    exponential = StaticShapes(BucketConfig(scheme="exponential"), 64, 2048, 4096, 16)
     assert exponential.decode_batch == [1, 2, 4, 8, 16, 32, 64]
+    assert exponential.prefill_tokens == [128, 256, 512, 1024, 2048]
     with pytest.raises(ValueError, match="scheme"):
-        StaticShapes.from_limits(64, 2048, 4096, 16, scheme="cubic")
+        BucketConfig(scheme="cubic")

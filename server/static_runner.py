@@ -1,0 +1,138 @@
+"""Static-shape steps for graph-compiled devices: a step padded to its bucket, the log of the shapes
+compiled, and the warmup that compiles every shape before serving.
+
+On Gaudi every new input shape is a graph compile (seconds); serving must meet only shapes that
+warmup compiled. The padding is device-agnostic and runs for real on CPU and CUDA in tests.
+Padding never changes a real row:
+- padding tokens belong to no sequence (they sit after the last sequence's queries), write no KV
+  (slot -1), and every operation outside attention works row by row;
+- padding sequences of a decode step hold one token with a context of one (block 0, read and
+  never written); padding sequences of any other step hold no tokens;
+- padding logits rows repeat row 0 and are dropped before sampling.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+import torch
+from tqdm import tqdm
+
+from tgserve.server.attention.metadata import AttentionMetadata
+from tgserve.server.static_shapes import StaticShapes, StepShape
+
+if TYPE_CHECKING:
+    from tgserve.server.runner import StepInputs
+
+logger = logging.getLogger(__name__)
+
+Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class ShapeLog:
+    """The step shapes this runner has compiled: on Gaudi each is an HPU graph compile; on CPU only
+    the count is kept, so that tests can check serving after warmup compiles nothing new."""
+
+    seen: set[StepShape] = field(default_factory=set)
+    served: set[StepShape] = field(default_factory=set)  # shapes met while serving
+    after_warmup: int = 0  # new shapes met while serving: compiles a user waits for
+
+    def record(self, shape: StepShape, warming_up: bool = False) -> None:
+        if not warming_up:
+            self.served.add(shape)
+        if shape not in self.seen:
+            self.seen.add(shape)
+            self.after_warmup += 0 if warming_up else 1
+
+    @property
+    def num_compiled(self) -> int:
+        return len(self.seen)
+
+
+def step_shape(shapes: StaticShapes, inputs: StepInputs) -> StepShape:
+    meta = inputs.metadata
+    return shapes.shape_for(
+        inputs.input_ids.shape[0], meta.num_seqs, meta.block_tables.shape[1], inputs.logits_indices.shape[0]
+    )
+
+
+def _pad(tensor: torch.Tensor, length: int, value: int) -> torch.Tensor:
+    extra = length - tensor.shape[0]
+    return torch.cat([tensor, tensor.new_full((extra, *tensor.shape[1:]), value)]) if extra else tensor
+
+
+def pad_metadata(meta: AttentionMetadata, shape: StepShape) -> AttentionMetadata:
+    """The step's metadata with padding sequences (see the module docstring) and a wider block table."""
+    extra = shape.num_seqs - meta.num_seqs
+    last = meta.query_start_loc_cpu[-1]
+    if shape.decode:
+        starts = [*meta.query_start_loc_cpu, *range(last + 1, last + 1 + extra)]
+        lens = [*meta.seq_lens_cpu, *[1] * extra]
+    else:
+        starts, lens = [*meta.query_start_loc_cpu, *[last] * extra], [*meta.seq_lens_cpu, *[0] * extra]
+    device = meta.seq_lens.device
+    tables = torch.zeros(shape.num_seqs, shape.num_blocks, dtype=meta.block_tables.dtype, device=device)
+    tables[: meta.num_seqs, : meta.block_tables.shape[1]] = meta.block_tables
+    return replace(
+        meta,
+        query_start_loc=torch.tensor(starts, dtype=meta.query_start_loc.dtype).to(device, non_blocking=True),
+        seq_lens=torch.tensor(lens, dtype=meta.seq_lens.dtype).to(device, non_blocking=True),
+        block_tables=tables,
+        slot_mapping=_pad(meta.slot_mapping, shape.num_tokens, -1),
+        query_start_loc_cpu=starts,
+        seq_lens_cpu=lens,
+        backend_cache={},
+    )
+
+
+def pad_step(inputs: StepInputs, shape: StepShape) -> StepInputs:
+    """The step's inputs padded to `shape`; the real rows keep their places."""
+    return replace(
+        inputs,
+        input_ids=_pad(inputs.input_ids, shape.num_tokens, 0),
+        positions=_pad(inputs.positions, shape.num_tokens, 0),
+        logits_indices=_pad(inputs.logits_indices, shape.num_logits, 0),
+        metadata=pad_metadata(inputs.metadata, shape),
+    )
+
+
+def dummy_step(shape: StepShape, block_size: int, device: torch.device) -> tuple:
+    """Forward arguments of the given shape that write nothing: a decode step of one-token contexts,
+    or a prefill step whose first sequence holds every token but one per other sequence."""
+    tokens, seqs = shape.num_tokens, shape.num_seqs
+    if shape.decode:
+        lens = [1] * seqs
+    else:
+        lens = [tokens - (seqs - 1), *[1] * (seqs - 1)]
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    positions = torch.cat([torch.arange(n) for n in lens]).to(device)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        block_tables=torch.zeros(seqs, shape.num_blocks, dtype=torch.int32, device=device),
+        slot_mapping=torch.full((tokens,), -1, dtype=torch.int64, device=device),
+        query_start_loc_cpu=starts,
+        seq_lens_cpu=lens,
+        block_size=block_size,
+    )
+    logits_indices = torch.zeros(shape.num_logits, dtype=torch.int64, device=device)
+    return torch.zeros(tokens, dtype=torch.int64, device=device), positions, meta, logits_indices
+
+
+def warm_up(
+    forward: Forward, shapes: StaticShapes, log: ShapeLog, block_size: int, device: torch.device
+) -> None:
+    """Run (so compile) every shape serving can meet, with a progress bar; logs the count and time."""
+    todo = shapes.warmup_shapes()
+    start = time.perf_counter()
+    for shape in tqdm(todo, desc="warmup", unit="shape", disable=None):
+        forward(*dummy_step(shape, block_size, device))
+        log.record(shape, warming_up=True)
+    logger.info("warmup: %d step shapes in %.1f s", len(todo), time.perf_counter() - start)

@@ -1,0 +1,102 @@
+"""The static-shape runner on CPU: steps padded to buckets give the tokens of unpadded steps, for
+every fixture architecture, and after warmup a mixed workload compiles no new shape.
+
+The workload is the parity scenario: prompts of many lengths arriving at different steps, chunked
+prefill, preemption and a prefix-cache hit, so that batch sizes rise and fall and decode, prefill
+and mixed steps all occur. On Gaudi each new shape would be a graph compile; the CPU counts them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tgserve.server.engine import EngineArgs, LLMEngine
+from tgserve.server.sampling_params import SamplingParams
+from tgserve.server.static_runner import pad_step, step_shape
+from tgserve.server.static_shapes import BucketConfig, StaticShapes
+from tgserve.server.testing.fixtures import FIXTURE_ARCHITECTURES, fixture_path
+
+from .parity import build_requests, run_engine
+
+PROMPT_LENGTHS = [40, 12, 70, 25, 9, 50, 33, 30]
+TIGHT = dict(max_num_batched_tokens=32, block_size=8, num_blocks=24, max_num_seqs=8, max_model_len=128)
+BUCKETS = BucketConfig(token_step=16, batch_step=4, prefill_batch_step=2)
+
+
+ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
+
+
+def serve(
+    arch: str, buckets: BucketConfig | None, device: str = "cpu"
+) -> tuple[dict[str, list[int]], LLMEngine]:
+    engine = LLMEngine(
+        EngineArgs(
+            model=str(fixture_path(arch)), static_shapes=buckets, device=device, dtype="float32", **TIGHT
+        )
+    )
+    requests = build_requests(engine.vocab_size, PROMPT_LENGTHS)
+    run_engine(engine, requests)
+    return {r.request_id: r.output for r in requests}, engine
+
+
+@pytest.mark.parametrize("arch", FIXTURE_ARCHITECTURES)
+def test_bucketed_steps_give_the_tokens_of_unpadded_ones(arch: str) -> None:
+    expected, plain = serve(arch, None)
+    got, engine = serve(arch, BUCKETS)
+    assert got == expected
+    log = engine.runner.shape_log
+    assert log.num_compiled == len(engine.runner.static.warmup_shapes())
+    assert log.after_warmup == 0, f"serving compiled {log.after_warmup} shapes warmup had not"
+    served = log.served
+    assert any(s.decode for s in served) and any(not s.decode for s in served) and len(served) > 6
+    stats = engine.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0 and plain.stats().num_preemptions > 0
+
+
+# On CUDA decode steps replay CUDA graphs captured per batch bucket (at start: none is captured
+# later); other steps run padded to their buckets.
+@pytest.mark.parametrize("arch", ["llama", "gpt_bigcode", "mistral"])
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=ON_GPU)])
+def test_bucketed_steps_on_cuda_with_graphs(arch: str, device: str) -> None:
+    expected, _ = serve(arch, None, device)
+    got, engine = serve(arch, BUCKETS, device)
+    assert got == expected
+    graphs = engine.runner.graphs
+    assert graphs is not None and sorted(graphs.graphs) == engine.runner.static.decode_batch
+    assert graphs.num_replays > 0 and engine.runner.shape_log.after_warmup == 0
+
+
+def test_padding_keeps_real_rows_in_place_and_adds_nothing_attended() -> None:
+    engine = LLMEngine(
+        EngineArgs(model=str(fixture_path("llama")), static_shapes=BUCKETS, device="cpu", **TIGHT)
+    )
+    shapes: StaticShapes = engine.runner.static
+    captured = []
+    prepare = engine.runner._prepare_inputs
+    engine.runner._prepare_inputs = lambda out: captured.append(prepare(out)) or captured[-1]
+    for i, length in enumerate((20, 3, 7)):
+        engine.add_request(f"r{i}", list(range(5, 5 + length)), _greedy(4))
+    engine.step()  # a prefill step: 30 tokens of 3 sequences
+    engine.step()  # a decode step of 3
+    prefill, decode = captured
+    for inputs in (prefill, decode):
+        shape = step_shape(shapes, inputs)
+        padded = pad_step(inputs, shape)
+        meta, pmeta = inputs.metadata, padded.metadata
+        real_tokens, real_seqs = inputs.input_ids.shape[0], meta.num_seqs
+        assert padded.input_ids.shape[0] == shape.num_tokens and pmeta.num_seqs == shape.num_seqs
+        assert torch.equal(padded.input_ids[:real_tokens], inputs.input_ids)
+        assert torch.equal(pmeta.slot_mapping[:real_tokens], meta.slot_mapping)
+        assert (pmeta.slot_mapping[real_tokens:] == -1).all()  # padding writes no KV
+        assert pmeta.query_start_loc_cpu[: real_seqs + 1] == meta.query_start_loc_cpu
+        assert torch.equal(pmeta.block_tables[:real_seqs, : meta.block_tables.shape[1]], meta.block_tables)
+        assert torch.equal(padded.logits_indices[: inputs.logits_indices.shape[0]], inputs.logits_indices)
+    assert step_shape(shapes, decode).decode and not step_shape(shapes, prefill).decode
+    # A prefill step's padding sequences hold no queries; a decode step's hold one each.
+    prefill_meta = pad_step(prefill, step_shape(shapes, prefill)).metadata
+    assert prefill_meta.seq_lens_cpu[3:] == [0] * (prefill_meta.num_seqs - 3)
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
