@@ -3,6 +3,8 @@
 Model code never sees a cache format: the engine allocates one tensor per layer,
 [2, num_blocks, block_size, num_kv_heads, head_dim] (keys then values), all layers sharing the same
 block ids, and each attention layer reads and writes its own slice through the forward context.
+A backend that cannot skip a write (slot -1) asks for scratch blocks at the end of the pool, beyond
+the blocks the block manager hands out (`AttentionBackend.scratch_blocks`, `scratch_slot`).
 """
 
 from __future__ import annotations
@@ -107,3 +109,10 @@ def allocate_kv_caches(
         )
         for spec in specs
     ]
+
+
+def scratch_slot(kv_cache: torch.Tensor) -> int:
+    """The first slot of the pool's last block: where a backend whose writes cannot skip slot -1
+    (HPU's static-shape `index_copy_`) sends padding rows. That block must be one the block manager
+    never hands out: the pool is allocated `AttentionBackend.scratch_blocks` larger than its count."""
+    return (kv_cache.shape[1] - 1) * kv_cache.shape[2]

@@ -91,9 +91,10 @@ class ModelShard:
         args = self.args
         if args.num_blocks:
             return args.num_blocks
+        scratch = self.runner.backend.scratch_blocks  # allocated beyond the block manager's blocks
         if self.device.type != "cuda" or args.kv_cache_memory_bytes:
             memory = args.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
-            return num_blocks_for_memory(self.specs, args.block_size, memory)
+            return max(1, num_blocks_for_memory(self.specs, args.block_size, memory) - scratch)
         self.runner.kv_caches = allocate_kv_caches(self.specs, 1, args.block_size, self.device)
         self.memory_profile = profile_kv_budget(
             self.runner.forward,
@@ -105,13 +106,17 @@ class ModelShard:
         )
         self.runner.kv_caches = []
         logger.info(self.memory_profile.describe())
-        return num_blocks_for_memory(self.specs, args.block_size, self.memory_profile.kv_budget_bytes)
+        return max(
+            1,
+            num_blocks_for_memory(self.specs, args.block_size, self.memory_profile.kv_budget_bytes) - scratch,
+        )
 
     def allocate(self, num_blocks: int) -> None:
         """The KV pool, then (CUDA) the decode graphs, which capture steps over it, then (static
         shapes) the warmup of every other step shape."""
         self.num_blocks = num_blocks
-        self.runner.kv_caches = allocate_kv_caches(self.specs, num_blocks, self.args.block_size, self.device)
+        pool = num_blocks + self.runner.backend.scratch_blocks
+        self.runner.kv_caches = allocate_kv_caches(self.specs, pool, self.args.block_size, self.device)
         graphs = self.args.cuda_graphs and (self.buckets is None or self.buckets.graphs)
         if self.device.type == "cuda" and graphs:
             self._capture_graphs()

@@ -140,10 +140,12 @@ class ModelRunner:
             self.collect(self._pending)
         inputs = self._prepare_inputs(scheduler_output)
         logits = self._run(inputs)[: inputs.logits_indices.shape[0]]  # padding rows dropped
+        self.backend.mark_step()
         num_sampled = len(inputs.sampled_request_ids)
         step = self._sample(logits[:num_sampled], inputs.sampled_request_ids)
         step.prompt_rows = inputs.prompt_rows
         step.prompt_logprobs = self._score_prompt(logits[num_sampled:], inputs.prompt_rows)
+        self.backend.mark_step()
         tensors = [step.token_ids] if step.token_ids is not None else []
         for logprobs in (step.logprobs, step.prompt_logprobs):
             tensors += logprobs.tensors() if logprobs is not None else []

@@ -56,8 +56,14 @@ class ShapeLog:
 
 def step_shape(shapes: StaticShapes, inputs: StepInputs) -> StepShape:
     meta = inputs.metadata
+    starts = meta.query_start_loc_cpu
+    fresh = all(n == b - a for n, a, b in zip(meta.seq_lens_cpu, starts[:-1], starts[1:], strict=True))
     return shapes.shape_for(
-        inputs.input_ids.shape[0], meta.num_seqs, meta.block_tables.shape[1], inputs.logits_indices.shape[0]
+        inputs.input_ids.shape[0],
+        meta.num_seqs,
+        meta.block_tables.shape[1],
+        inputs.logits_indices.shape[0],
+        fresh,
     )
 
 
@@ -77,7 +83,8 @@ def pad_metadata(meta: AttentionMetadata, shape: StepShape) -> AttentionMetadata
         starts, lens = [*meta.query_start_loc_cpu, *[last] * extra], [*meta.seq_lens_cpu, *[0] * extra]
     device = meta.seq_lens.device
     tables = torch.zeros(shape.num_seqs, shape.num_blocks, dtype=meta.block_tables.dtype, device=device)
-    tables[: meta.num_seqs, : meta.block_tables.shape[1]] = meta.block_tables
+    width = min(shape.num_blocks, meta.block_tables.shape[1])  # a fresh step keeps its first column
+    tables[: meta.num_seqs, :width] = meta.block_tables[:, :width]
     return replace(
         meta,
         query_start_loc=torch.tensor(starts, dtype=meta.query_start_loc.dtype).to(device, non_blocking=True),
@@ -103,7 +110,8 @@ def pad_step(inputs: StepInputs, shape: StepShape) -> StepInputs:
 
 def dummy_step(shape: StepShape, block_size: int, device: torch.device) -> tuple:
     """Forward arguments of the given shape that write nothing: a decode step of one-token contexts,
-    or a prefill step whose first sequence holds every token but one per other sequence."""
+    or a prefill step whose first sequence holds every token but one per other sequence (at least
+    two: a prefill shape has more tokens than sequences)."""
     tokens, seqs = shape.num_tokens, shape.num_seqs
     if shape.decode:
         lens = [1] * seqs

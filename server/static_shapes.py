@@ -75,9 +75,10 @@ class StepShape:
     """The padded shape of one step: what a graph is compiled (or captured) for.
 
     A decode step (one token per sequence) is padded to `num_seqs` sequences of one token and a
-    block table of `num_blocks` columns; any other step to `num_tokens` tokens and `num_seqs`
-    sequences, its block table to the longest context the model allows. `num_logits` rows reach the
-    LM head.
+    block table of `num_blocks` columns; any other step to `num_tokens` tokens (always more than
+    `num_seqs`) and `num_seqs` sequences, its block table to one column when no sequence has context
+    before the step, else to the longest context the model allows. `num_logits` rows reach the LM
+    head.
     """
 
     decode: bool
@@ -102,6 +103,13 @@ class StaticShapes:
         self.max_blocks = -(-max_model_len // block_size)
         block_step = max(1, config.token_step // block_size)
         min_tokens = min(config.token_step, max_num_batched_tokens)
+        # A prefill shape has more tokens than sequences, so that no prefill shape is also a decode
+        # shape (a backend may choose its path from the shape alone).
+        if max_num_seqs >= max_num_batched_tokens:
+            raise ValueError(
+                f"static shapes need fewer sequences per step ({max_num_seqs}) than tokens per step "
+                f"({max_num_batched_tokens})"
+            )
         if config.scheme == "linear":
             self.decode_batch = linear_buckets(1, config.batch_step, max_num_seqs)
             self.decode_blocks = linear_buckets(1, block_step, self.max_blocks)
@@ -112,33 +120,41 @@ class StaticShapes:
             self.decode_blocks = exponential_buckets(1, self.max_blocks)
             self.prefill_seqs = exponential_buckets(1, max_num_seqs)
             self.prefill_tokens = exponential_buckets(min_tokens, max_num_batched_tokens)
+        # Fresh prompts (no cached context) need one block-table column; anything else the longest.
+        self.prefill_blocks = sorted({1, self.max_blocks})
 
-    def shape_for(self, num_tokens: int, num_seqs: int, num_blocks: int, num_logits: int) -> StepShape:
-        """The smallest shape that holds a step; raises ValueError naming the limit it exceeds."""
+    def shape_for(
+        self, num_tokens: int, num_seqs: int, num_blocks: int, num_logits: int, fresh: bool = False
+    ) -> StepShape:
+        """The smallest shape that holds a step; raises ValueError naming the limit it exceeds.
+
+        fresh: no sequence has context before this step (its block table is not read).
+        """
         if num_tokens == num_seqs == num_logits:
             batch = bucket_for(self.decode_batch, num_seqs, "decode batch")
             blocks = bucket_for(self.decode_blocks, num_blocks, "context blocks")
             return StepShape(True, batch, batch, blocks, batch)
-        tokens = bucket_for(self.prefill_tokens, num_tokens, "prefill tokens")
         seqs = bucket_for(self.prefill_seqs, num_seqs, "prefill sequences")
+        tokens = bucket_for(self.prefill_tokens, max(num_tokens, seqs + 1), "prefill tokens")
         # Prompt log-probabilities score every prompt token: then every padded token reaches the head.
         logits = seqs if num_logits <= seqs else tokens
-        return StepShape(False, tokens, seqs, self.max_blocks, logits)
+        return StepShape(False, tokens, seqs, 1 if fresh else self.max_blocks, logits)
 
     def warmup_shapes(self) -> list[StepShape]:
         """Every shape serving can meet (prompt log-probability steps aside), largest first so that
         the first compiled sizes the memory pools."""
         prefill = [
-            StepShape(False, tokens, seqs, self.max_blocks, seqs)
+            StepShape(False, tokens, seqs, blocks, seqs)
             for tokens in self.prefill_tokens
             for seqs in self.prefill_seqs
-            if seqs <= tokens
+            for blocks in self.prefill_blocks
+            if seqs < tokens
         ]
         decode = [
             StepShape(True, batch, batch, blocks, batch)
             for batch in self.decode_batch
             for blocks in self.decode_blocks
         ]
-        return sorted(prefill, key=lambda s: (s.num_tokens, s.num_seqs), reverse=True) + sorted(
+        return sorted(prefill, key=lambda s: (s.num_tokens, s.num_seqs, s.num_blocks), reverse=True) + sorted(
             decode, key=lambda s: (s.num_seqs, s.num_blocks), reverse=True
         )

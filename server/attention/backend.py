@@ -26,6 +26,14 @@ class AttentionBackend(ABC):
     """Writes a step's keys and values into the paged cache, then attends over each sequence's context."""
 
     name: str
+    # Blocks this backend needs past the block manager's (at the end of the pool): a scratch block
+    # takes the writes of padding rows when the backend cannot skip slot -1 (see kv_cache.scratch_slot).
+    scratch_blocks: int = 0
+
+    def mark_step(self) -> None:
+        """The end of a part of the step (the forward, the sampling). Lazy-mode devices (Gaudi) run
+        the operations queued so far as one graph here; others do nothing."""
+        return
 
     @abstractmethod
     def forward(
@@ -50,4 +58,8 @@ def attention_backend(device: torch.device, sparse: SparseConfig | None = None) 
         from tgserve.server.attention.cpu import CpuAttentionBackend
 
         return CpuAttentionBackend()
-    raise ValueError(f"no attention backend for device {device.type!r}; expected cuda or cpu")
+    if device.type == "hpu":
+        from tgserve.server.attention.hpu import HpuAttentionBackend
+
+        return HpuAttentionBackend()
+    raise ValueError(f"no attention backend for device {device.type!r}; expected cuda, hpu or cpu")

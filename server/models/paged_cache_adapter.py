@@ -27,8 +27,13 @@ class PagedCacheAdapter(Cache):
         kv_cache, meta = self.ctx.kv_caches[layer_idx], self.ctx.metadata
         write_kv(key_states[0].transpose(0, 1), value_states[0].transpose(0, 1), kv_cache, meta.slot_mapping)
         keys, values = [], []
+        starts = meta.query_start_loc_cpu
         for i, seq_len in enumerate(meta.seq_lens_cpu):
-            k, v = gather_kv(kv_cache, meta.block_tables[i], seq_len)
+            begin, end = starts[i], starts[i + 1]
+            if end - begin == seq_len:  # a fresh prompt: its context is this step's keys
+                k, v = (s[0, :, begin:end].transpose(0, 1) for s in (key_states, value_states))
+            else:
+                k, v = gather_kv(kv_cache, meta.block_tables[i], seq_len)
             keys.append(k)
             values.append(v)
         packed_k = torch.cat(keys).transpose(0, 1)[None].to(key_states.dtype)

@@ -62,8 +62,8 @@ def test_warmup_visits_every_shape_once_largest_first():
     assert len(set(warmup)) == len(warmup)
     prefill = [s for s in warmup if not s.decode]
     decode = [s for s in warmup if s.decode]
-    assert {(s.num_tokens, s.num_seqs) for s in prefill} == {
-        (t, n) for t in (16, 32) for n in (1, 2, 4, 6, 8)
+    assert {(s.num_tokens, s.num_seqs, s.num_blocks) for s in prefill} == {
+        (t, n, w) for t in (16, 32) for n in (1, 2, 4, 6, 8) for w in (1, 8)
     }
     assert {(s.num_seqs, s.num_blocks) for s in decode} == {
         (b, w) for b in (1, 2, 4, 8) for w in (1, 2, 4, 6, 8)
@@ -73,7 +73,16 @@ def test_warmup_visits_every_shape_once_largest_first():
     for tokens in range(1, 33):
         for seqs in range(1, min(tokens, 8) + 1):
             for blocks in range(1, 9):
-                assert shapes.shape_for(tokens, seqs, blocks, seqs) in warmup
+                for logits in {seqs, seqs - 1} - {0}:  # a chunk that does not end its prompt samples nothing
+                    for fresh in (True, False):
+                        shape = shapes.shape_for(tokens, seqs, blocks, logits, fresh)
+                        assert shape in warmup
+                        assert shape.decode or shape.num_tokens > shape.num_seqs  # never a decode shape
+
+
+def test_static_shapes_need_fewer_sequences_than_tokens_per_step():
+    with pytest.raises(ValueError, match=r"fewer sequences per step \(64\) than tokens per step \(64\)"):
+        StaticShapes(BucketConfig(), 64, 64, 4096, 16)
 
 
 def test_schemes():

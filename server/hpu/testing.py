@@ -1,0 +1,36 @@
+"""`TorchStandInOps`: the replacement for the Habana boundary (`tgserve.server.hpu.ops`) in tests.
+
+It computes what each Habana op computes, in plain torch on any device, and records which ops ran,
+so CPU tests exercise every line of the HPU backend except `GaudiOps` itself.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch.nn.functional as F
+from torch import nn
+
+
+class TorchStandInOps:
+    """A `HabanaOps` in plain torch: FusedSDPA is torch's SDPA, a step mark and graph wrapping do nothing."""
+
+    def __init__(self) -> None:
+        self.calls: Counter[str] = Counter()
+        self.last_is_causal: bool | None = None  # of the last fused_sdpa call
+
+    def fused_sdpa(self, query, key, value, attn_bias, is_causal, scale):
+        self.calls["fused_sdpa"] += 1
+        self.last_is_causal = is_causal
+        if is_causal and attn_bias is not None:
+            raise ValueError("FusedSDPA takes either is_causal or a mask, not both")
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attn_bias, is_causal=is_causal, scale=scale, enable_gqa=True
+        )
+
+    def mark_step(self) -> None:
+        self.calls["mark_step"] += 1
+
+    def wrap_in_hpu_graph(self, module: nn.Module) -> nn.Module:
+        self.calls["wrap_in_hpu_graph"] += 1
+        return module
