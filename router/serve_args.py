@@ -96,11 +96,12 @@ FLAGS: tuple[Flag, ...] = (
         "Schedule the next step while the device runs this one (default: on GPUs)",
     ),
     Flag(
-        "bucketing",
-        str,
+        "static-shapes",
+        parse_bool,
         None,
-        "Pad steps to static shapes, 'linear' or 'exponential' buckets (default: linear on HPUs, off elsewhere)",
+        "Pad steps to bucketed shapes, compiled at warmup (default: on HPUs)",
     ),
+    Flag("bucketing", str, "linear", "Bucket sizes of static shapes: 'linear' or 'exponential'"),
     Flag("batch-bucket-size", int, 8, "Decode batch sizes are padded to multiples of this (static shapes)"),
     Flag("prefill-batch-bucket-size", int, 4, "Sequences of a prefill step pad to multiples of this"),
     Flag("pad-sequence-to-multiple-of", int, 128, "Tokens of a prefill step pad to multiples of this"),
@@ -196,19 +197,18 @@ def engine_args(args: argparse.Namespace) -> dict[str, Any]:
         "tensor_parallel_size": args.num_shard if args.num_shard and args.num_shard > 1 else None,
         "sparse_min_seq_len": args.sparse_min_tokens,
         "async_scheduling": args.async_scheduling,
-        "static_shapes": bucket_config(args),
+        "static_shapes": args.static_shapes,
         "sparse_config": args.sparse_config,
     }
     result.update({key: value for key, value in optional.items() if value is not None})
+    result["buckets"] = bucket_config(args)
     return result
 
 
-def bucket_config(args: argparse.Namespace) -> dict[str, Any] | None:
-    """`BucketConfig` keywords when steps are padded to static shapes (asked for, or on an HPU)."""
-    if args.bucketing is None and args.device != "hpu":
-        return None
+def bucket_config(args: argparse.Namespace) -> dict[str, Any]:
+    """`BucketConfig` keywords: the buckets of static shapes, used when they are on."""
     return {
-        "scheme": args.bucketing or "linear",
+        "scheme": args.bucketing,
         "batch_step": args.batch_bucket_size,
         "prefill_batch_step": args.prefill_batch_bucket_size,
         "token_step": args.pad_sequence_to_multiple_of,

@@ -39,7 +39,7 @@ class EngineArgs:
 
     model: str | None = None
     revision: str | None = None
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPUs
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPUs and HPUs
     device: str = "auto"
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
@@ -57,7 +57,8 @@ class EngineArgs:
     # idle the device; on the CPU there is nothing to overlap).
     async_scheduling: bool | None = None
     # Steps padded to static shapes and every shape compiled before serving (None: on HPUs only).
-    static_shapes: BucketConfig | None = None
+    static_shapes: bool | None = None
+    buckets: BucketConfig = BucketConfig()  # the static shapes' buckets (tgi-gaudi's knobs)
     # CUDA only
     gpu_memory_utilization: float = 0.9  # share of the GPU the engine may fill; the KV pool gets the rest
     cuda_graphs: bool = True  # decode steps replay captured graphs (batch sizes up to max_cuda_graph_batch)
@@ -68,9 +69,14 @@ class EngineArgs:
 
 
 def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    """auto: a CUDA GPU, else a Gaudi (asked of Habana's bridge only where it is installed), else the CPU."""
+    if name != "auto":
+        return torch.device(name)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    from tgserve.server.hpu import ops
+
+    return torch.device("hpu" if ops.is_available() else "cpu")
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

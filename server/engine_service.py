@@ -57,10 +57,10 @@ def build_engine(engine_args: dict[str, Any]) -> Any:
         raise ValueError(
             f"this engine does not support {', '.join(unsupported)} (asked for by the launcher's flags)"
         )
-    if isinstance(engine_args.get("static_shapes"), dict):  # the launcher sends plain JSON
+    if isinstance(engine_args.get("buckets"), dict):  # the launcher sends plain JSON
         from tgserve.server.static_shapes import BucketConfig
 
-        engine_args = {**engine_args, "static_shapes": BucketConfig(**engine_args["static_shapes"])}
+        engine_args = {**engine_args, "buckets": BucketConfig(**engine_args["buckets"])}
     return LLMEngine(EngineArgs(**engine_args))
 
 

@@ -23,7 +23,7 @@ from tgserve.server.memory import MemoryProfile, profile_kv_budget
 from tgserve.server.model_loader import load_model
 from tgserve.server.runner import ModelRunner
 from tgserve.server.static_runner import warm_up
-from tgserve.server.static_shapes import BucketConfig, StaticShapes
+from tgserve.server.static_shapes import StaticShapes
 
 if TYPE_CHECKING:
     from tgserve.server.engine import EngineArgs, ModelDescription
@@ -63,7 +63,8 @@ class ModelShard:
         self.specs = kv_cache_specs(config, dtype, args.tensor_parallel_size)
         backend = attention_backend(device, self._sparse_config())
         self.runner = ModelRunner(model, [], self.specs, backend, args.block_size, device)
-        self.buckets = args.static_shapes or (BucketConfig() if device.type == "hpu" else None)
+        static = device.type == "hpu" if args.static_shapes is None else args.static_shapes
+        self.buckets = args.buckets if static else None
         if self.buckets is not None:
             self.runner.static = StaticShapes(
                 self.buckets, args.max_num_seqs, args.max_num_batched_tokens, max_model_len, args.block_size

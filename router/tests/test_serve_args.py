@@ -67,11 +67,12 @@ def test_hub_cache_reaches_the_engine_environment():
 def test_tgi_gaudi_bucketing_variables_reach_the_engine_as_a_bucket_config():
     from tgserve.server.static_shapes import BucketConfig
 
-    assert "static_shapes" not in serve_args.engine_args(parse([]))  # off on CPU and CUDA by default
+    assert "static_shapes" not in serve_args.engine_args(parse([]))  # the engine decides: on HPUs only
     env = {"BATCH_BUCKET_SIZE": "16", "PAD_SEQUENCE_TO_MULTIPLE_OF": "256", "WARMUP_ENABLED": "false"}
-    sent = serve_args.engine_args(parse(["--device", "hpu"], env))["static_shapes"]
+    sent = serve_args.engine_args(parse([], env))["buckets"]
     assert BucketConfig(**sent) == BucketConfig(batch_step=16, token_step=256, warmup=False)
+    assert serve_args.engine_args(parse(["--static-shapes", "true"]))["static_shapes"] is True
     sent = serve_args.engine_args(parse(["--bucketing", "exponential", "--limit-hpu-graph", "true"]))[
-        "static_shapes"
+        "buckets"
     ]
     assert BucketConfig(**sent) == BucketConfig(scheme="exponential", decode_graphs_only=True)

@@ -1,10 +1,12 @@
-"""Static-batch greedy decoding through a `StaticCache`, the way tgi-gaudi drives optimum-habana models.
+"""Static-batch decoding through a `StaticCache`, the way tgi-gaudi drives optimum-habana models.
 
-Requests are prefilled one at a time and inserted into free rows (shifting the batch right when a
-prompt is longer than the used width), every decode step feeds one token per row with the attention
-mask and per-row position ids, finished rows are filtered out, and when the static length is used up
-the batch shifts left by its common leading padding. The loop never touches a layout's tensors: all it
-knows is `StaticCache` and the layout's standard views.
+`StaticBatch` holds the batch mechanics every driver shares: requests are prefilled one at a time and
+inserted into free rows (shifting the batch right when a prompt is longer than the used width), every
+decode step feeds one token per row with the attention mask and per-row position ids, finished rows
+are filtered out, and when the static length is used up the batch shifts left by its common leading
+padding. It never touches a layout's tensors: all it knows is `StaticCache` and the layout's standard
+views. Two drivers use it: `StaticBatchGenerator` here (greedy, whole batches, for tests of the
+mechanics) and `tgserve.server.hpu.static_engine.StaticBatchEngine` (the serving engine).
 
 On CPU this drives any transformers causal LM through any layout; the tests run the tiny GPT-BigCode
 model through the fused multi-query layout against transformers `generate`. On a Gaudi, optimum-habana's
@@ -15,28 +17,16 @@ from __future__ import annotations
 
 import inspect
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
 from .cache_layouts import KV, CacheLayout
 from .static_cache import StaticCache
 
-
-@dataclass
-class GreedyRequest:
-    """One prompt, its token budget, and the tokens generated so far."""
-
-    prompt: list[int]
-    max_new_tokens: int
-    output: list[int] = field(default_factory=list)
-
-    def finished(self, eos_token_id: int | None) -> bool:
-        return len(self.output) >= self.max_new_tokens or (
-            eos_token_id is not None and bool(self.output) and self.output[-1] == eos_token_id
-        )
+Row = TypeVar("Row")  # what a driver keeps per occupied row (its request object)
 
 
 def forward_step(
@@ -46,7 +36,8 @@ def forward_step(
     position_ids: torch.Tensor,
     past: list[KV],
 ) -> tuple[torch.Tensor, list[KV]]:
-    """Run `model` on `input_ids` after `past`; return the last position's logits and the new keys/values.
+    """Run `model` on `input_ids` `[B, T]` after `past`; return the logits of every input position
+    `[B, T, vocab]` and the new keys/values.
 
     The one place that knows transformers' cache API. Since 4.54 upstream modeling code, GPT-BigCode's
     included (its fused `[B, S, 2*D]` past went away then), reads and writes a Cache object holding
@@ -68,7 +59,7 @@ def forward_step(
     )
     steps = input_ids.shape[1]
     new_kv = [(layer.keys[:, :, -steps:], layer.values[:, :, -steps:]) for layer in cache.layers]
-    return output.logits[:, -1], new_kv
+    return output.logits, new_kv
 
 
 def _cache_argument(model: Any) -> str:
@@ -80,21 +71,119 @@ def _cache_argument(model: Any) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-class StaticBatchGenerator:
-    """Greedy generation for many requests through one static cache of `rows` x `max_len` positions.
+class StaticBatch(Generic[Row]):
+    """The rows of one static cache of `rows` x `max_len` positions and what occupies them.
+
+    `running[i]` occupies row i: `retire` keeps them a prefix, `insert` appends. A driver must never
+    let an occupied row hold `max_len` positions, so that `decode` can always shift a padding column
+    out: a sequence of prompt + generated tokens holds one position fewer than its length (its last
+    token is not fed yet), so stopping every sequence at `max_len` tokens is enough.
 
     `events` counts the batch operations run (insert, filter, shift_left, shift_right), so tests can
     check that a scenario exercised them.
     """
 
+    def __init__(self, model: Any, layout: CacheLayout, rows: int, max_len: int) -> None:
+        self.model = model
+        self.cache = StaticCache.allocate(layout, rows, max_len)
+        self.running: list[Row] = []
+        self.events: Counter[str] = Counter()
+
+    @property
+    def num_free_rows(self) -> int:
+        return self.cache.rows - len(self.running)
+
+    def prefill(self, prompt: list[int]) -> tuple[torch.Tensor, list[KV]]:
+        """Run a prompt alone (a batch of one, no padding): its logits `[len(prompt), vocab]` and KV."""
+        input_ids = torch.tensor([prompt], device=self.cache.mask.device)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+        logits, kv = forward_step(self.model, input_ids, torch.ones_like(input_ids), positions, [])
+        return logits[0], kv
+
+    def insert(self, row: Row, kv: list[KV], length: int) -> None:
+        """Put a prefilled sequence of `length` positions into the first free row, widening the batch
+        first if it is longer than the used width."""
+        if not self.num_free_rows:
+            raise ValueError(f"no free row: all {self.cache.rows} are occupied")
+        if length > self.cache.end:
+            self.cache.shift_right(length - self.cache.end)
+            self.events["shift_right"] += 1
+        self.cache.insert(len(self.running), self.cache.layout.from_kv(kv), length)
+        self.running.append(row)
+        self.events["insert"] += 1
+
+    def decode(self, last_tokens: Sequence[int]) -> torch.Tensor:
+        """Feed each occupied row its last token (in `running` order); their next-token logits `[n, vocab]`.
+
+        Shifts left first when the used width has reached `max_len`.
+        """
+        cache = self.cache
+        if len(last_tokens) != len(self.running):
+            raise ValueError(f"{len(last_tokens)} tokens for {len(self.running)} occupied rows")
+        if cache.end == cache.max_len:
+            cache.shift_left(cache.leading_padding())  # at least 1: see the class docstring
+            self.events["shift_left"] += 1
+        tokens = list(last_tokens) + [0] * self.num_free_rows  # free rows compute garbage nobody reads
+        input_ids = torch.tensor(tokens, device=cache.mask.device)[:, None]
+        seen = cache.mask[:, : cache.end]
+        position_ids = seen.sum(dim=1, keepdim=True)  # real positions before the new one
+        attention_mask = torch.cat([seen, cache.occupied().long()[:, None]], dim=1)
+        logits, new_kv = forward_step(
+            self.model, input_ids, attention_mask, position_ids, cache.layout.to_kv(cache.layers, cache.end)
+        )
+        cache.append(new_kv)
+        return logits[: len(self.running), -1]
+
+    def retire(self, done: Callable[[Row], bool]) -> list[Row]:
+        """Filter out the rows whose occupant is `done`, compacting the rest; returns the retired."""
+        keep = [index for index, row in enumerate(self.running) if not done(row)]
+        if len(keep) == len(self.running):
+            return []
+        retired = [row for row in self.running if done(row)]
+        self.cache.filter(keep)
+        self.running = [self.running[index] for index in keep]
+        self.events["filter"] += 1
+        return retired
+
+
+@dataclass
+class GreedyRequest:
+    """One prompt, its token budget, and the tokens generated so far."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    output: list[int] = field(default_factory=list)
+
+    def finished(self, eos_token_id: int | None) -> bool:
+        return len(self.output) >= self.max_new_tokens or (
+            eos_token_id is not None and bool(self.output) and self.output[-1] == eos_token_id
+        )
+
+
+class StaticBatchGenerator:
+    """Greedy generation for many requests through one static cache of `rows` x `max_len` positions.
+
+    Each round admits waiting requests into free rows, then decodes every occupied row once. `events`
+    counts the batch operations run, as `StaticBatch.events`.
+    """
+
     def __init__(
         self, model: Any, layout: CacheLayout, rows: int, max_len: int, eos_token_id: int | None = None
     ) -> None:
-        self.model = model
-        self.cache = StaticCache.allocate(layout, rows, max_len)
+        self.batch: StaticBatch[GreedyRequest] = StaticBatch(model, layout, rows, max_len)
         self.eos_token_id = eos_token_id
-        self.running: list[GreedyRequest] = []  # running[i] occupies row i: filter keeps them a prefix
-        self.events: Counter[str] = Counter()
+
+    @property
+    def cache(self) -> StaticCache:
+        return self.batch.cache
+
+    @property
+    def running(self) -> list[GreedyRequest]:
+        return self.batch.running
+
+    @property
+    def events(self) -> Counter[str]:
+        return self.batch.events
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[list[int]], max_new_tokens: Sequence[int]) -> list[list[int]]:
@@ -110,12 +199,7 @@ class StaticBatchGenerator:
         return [request.output for request in requests]
 
     def _check_fits(self, request: GreedyRequest) -> None:
-        """Refuse a request that could fill a row: a step needs a padding column to shift out.
-
-        The last generated token is never fed back, so a request holds at most prompt + new - 1
-        positions; with prompt + new <= max_len every row keeps a leading padding column when the
-        used width reaches max_len, and `shift_left` always frees at least one column.
-        """
+        """Refuse a request that could fill a row: with prompt + new <= max_len it never does."""
         if len(request.prompt) + request.max_new_tokens > self.cache.max_len:
             raise ValueError(
                 f"a prompt of {len(request.prompt)} + {request.max_new_tokens} new tokens "
@@ -123,51 +207,17 @@ class StaticBatchGenerator:
             )
 
     def _admit(self, waiting: deque[GreedyRequest]) -> None:
-        """Prefill waiting requests alone and insert them into free rows while rows are free."""
-        while waiting and len(self.running) < self.cache.rows:
+        """Prefill waiting requests alone, take their first tokens, insert them while rows are free."""
+        while waiting and self.batch.num_free_rows:
             request = waiting.popleft()
-            kv = self._prefill(request)
+            logits, kv = self.batch.prefill(request.prompt)
+            request.output.append(int(logits[-1].argmax()))
             if not request.finished(self.eos_token_id):
-                self._insert(request, kv)
-
-    def _prefill(self, request: GreedyRequest) -> list[KV]:
-        """Run the prompt alone (a batch of one, no padding); take its first token; return its KV."""
-        input_ids = torch.tensor([request.prompt], device=self.cache.mask.device)
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
-        logits, kv = forward_step(self.model, input_ids, torch.ones_like(input_ids), positions, [])
-        request.output.append(int(logits.argmax(-1)))
-        return kv
-
-    def _insert(self, request: GreedyRequest, kv: list[KV]) -> None:
-        """Put a prefilled request into the first free row, widening the batch first if it is longer."""
-        length = len(request.prompt)
-        if length > self.cache.end:
-            self.cache.shift_right(length - self.cache.end)
-            self.events["shift_right"] += 1
-        self.cache.insert(len(self.running), self.cache.layout.from_kv(kv), length)
-        self.running.append(request)
-        self.events["insert"] += 1
+                self.batch.insert(request, kv, len(request.prompt))
 
     def _decode_step(self) -> None:
-        """Feed every row its last token, append the new positions, retire finished rows."""
-        cache = self.cache
-        if cache.end == cache.max_len:
-            cache.shift_left(cache.leading_padding())  # at least 1: see _check_fits
-            self.events["shift_left"] += 1
-        last = [request.output[-1] for request in self.running]
-        tokens = last + [0] * (cache.rows - len(last))  # free rows compute garbage nobody reads
-        input_ids = torch.tensor(tokens, device=cache.mask.device)[:, None]
-        seen = cache.mask[:, : cache.end]
-        position_ids = seen.sum(dim=1, keepdim=True)  # real positions before the new one
-        attention_mask = torch.cat([seen, cache.occupied().long()[:, None]], dim=1)
-        logits, new_kv = forward_step(
-            self.model, input_ids, attention_mask, position_ids, cache.layout.to_kv(cache.layers, cache.end)
-        )
-        cache.append(new_kv)
-        for request, token in zip(self.running, logits.argmax(-1).tolist()):
+        """Feed every row its last token, take the next ones, retire finished rows."""
+        logits = self.batch.decode([request.output[-1] for request in self.running])
+        for request, token in zip(self.running, logits.argmax(-1).tolist(), strict=True):
             request.output.append(token)
-        keep = [row for row, request in enumerate(self.running) if not request.finished(self.eos_token_id)]
-        if len(keep) < len(self.running):
-            cache.filter(keep)
-            self.running = [self.running[row] for row in keep]
-            self.events["filter"] += 1
+        self.batch.retire(lambda request: request.finished(self.eos_token_id))

@@ -274,7 +274,13 @@ ENGINE_LIMITS = dict(
 
 def serve_scenario(arch: str, buckets: BucketConfig | None) -> tuple[dict[str, list[int]], LLMEngine]:
     engine = LLMEngine(
-        EngineArgs(model=str(fixture_path(arch)), static_shapes=buckets, dtype="float32", **ENGINE_LIMITS)
+        EngineArgs(
+            model=str(fixture_path(arch)),
+            static_shapes=buckets is not None,
+            buckets=buckets or BucketConfig(),
+            dtype="float32",
+            **ENGINE_LIMITS,
+        )
     )
     requests = build_requests(engine.vocab_size, [40, 12, 70, 25, 9, 50, 33, 30])
     run_engine(engine, requests)

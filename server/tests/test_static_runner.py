@@ -32,7 +32,12 @@ def serve(
 ) -> tuple[dict[str, list[int]], LLMEngine]:
     engine = LLMEngine(
         EngineArgs(
-            model=str(fixture_path(arch)), static_shapes=buckets, device=device, dtype="float32", **TIGHT
+            model=str(fixture_path(arch)),
+            static_shapes=buckets is not None,
+            buckets=buckets or BucketConfig(),
+            device=device,
+            dtype="float32",
+            **TIGHT,
         )
     )
     requests = build_requests(engine.vocab_size, PROMPT_LENGTHS)
@@ -69,7 +74,9 @@ def test_bucketed_steps_on_cuda_with_graphs(arch: str, device: str) -> None:
 
 def test_padding_keeps_real_rows_in_place_and_adds_nothing_attended() -> None:
     engine = LLMEngine(
-        EngineArgs(model=str(fixture_path("llama")), static_shapes=BUCKETS, device="cpu", **TIGHT)
+        EngineArgs(
+            model=str(fixture_path("llama")), static_shapes=True, buckets=BUCKETS, device="cpu", **TIGHT
+        )
     )
     shapes: StaticShapes = engine.runner.static
     captured = []
