@@ -24,6 +24,7 @@ from tgserve.server.model_loader import load_model
 from tgserve.server.runner import ModelRunner
 from tgserve.server.static_runner import warm_up
 from tgserve.server.static_shapes import StaticShapes
+from tgserve.server.step_graphs import StepGraphs, StepModule
 
 if TYPE_CHECKING:
     from tgserve.server.engine import EngineArgs, ModelDescription
@@ -121,14 +122,23 @@ class ModelShard:
         graphs = self.args.cuda_graphs and (self.buckets is None or self.buckets.graphs)
         if self.device.type == "cuda" and graphs:
             self._capture_graphs()
+        if self.runner.static is not None and self.runner.backend.shape_only:
+            self._wrap_steps()
         if self.runner.static is not None and self.buckets.warmup:
             warm_up(
-                self.runner.forward,
+                self.runner.run_shape,
                 self.runner.static,
                 self.runner.shape_log,
                 self.args.block_size,
                 self.device,
             )
+
+    def _wrap_steps(self) -> None:
+        """Padded steps as modules of tensors; graph-wrapped by the backend when graphs are on
+        (ENABLE_HPU_GRAPH; LIMIT_HPU_GRAPH keeps prefill shapes out)."""
+        plain = StepModule(self.runner.forward, self.args.block_size)
+        graphed = self.runner.backend.graph_wrap(plain) if self.buckets.graphs else plain
+        self.runner.step_graphs = StepGraphs(graphed, plain, self.buckets.decode_graphs_only)
 
     def _capture_graphs(self) -> None:
         block_size = self.args.block_size

@@ -28,7 +28,8 @@ from tgserve.server.outputs import TokenLogprob
 from tgserve.server.sampler import LogprobTensors, Sampler, SamplingRow, logprob_tensors
 from tgserve.server.sampling_params import SamplingParams
 from tgserve.server.static_runner import ShapeLog, pad_step, step_shape
-from tgserve.server.static_shapes import StaticShapes
+from tgserve.server.static_shapes import StaticShapes, StepShape
+from tgserve.server.step_graphs import StepGraphs
 from tgserve.server.transfer import HostCopies, pinned_to, to_device
 
 # A sampled token whose value is still on the device.
@@ -125,6 +126,7 @@ class ModelRunner:
         # Static-shape devices: steps run padded to these buckets (set by the shard when enabled).
         self.static: StaticShapes | None = None
         self.shape_log = ShapeLog()
+        self.step_graphs: StepGraphs | None = None  # padded steps as graph-wrapped modules (HPU)
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         """Run one step and wait for its tokens."""
@@ -189,11 +191,28 @@ class ModelRunner:
             return self.graphs.run(
                 inputs.input_ids, inputs.positions, meta.slot_mapping, meta.seq_lens, meta.block_tables
             )
-        if self.static is not None:
-            shape = step_shape(self.static, inputs)
-            self.shape_log.record(shape)
-            inputs = pad_step(inputs, shape)
-        return self.forward(inputs.input_ids, inputs.positions, inputs.metadata, inputs.logits_indices)
+        if self.static is None:
+            return self.forward(inputs.input_ids, inputs.positions, inputs.metadata, inputs.logits_indices)
+        shape = step_shape(self.static, inputs)
+        self.shape_log.record(shape)
+        padded = pad_step(inputs, shape)
+        return self.run_shape(
+            shape, padded.input_ids, padded.positions, padded.metadata, padded.logits_indices
+        )
+
+    @torch.inference_mode()
+    def run_shape(
+        self,
+        shape: StepShape,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """A step padded to `shape`: through its graph where steps are graph-wrapped, else the forward."""
+        if self.step_graphs is not None:
+            return self.step_graphs.run(shape, input_ids, positions, metadata, logits_indices)
+        return self.forward(input_ids, positions, metadata, logits_indices)
 
     def _needs_known_tokens(self, out: SchedulerOutput) -> bool:
         """A request with penalties reads its whole output: its tokens in flight must be known first."""

@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor], torch.Tensor]
+# (shape, input_ids, positions, metadata, logits_indices) -> logits: the runner's `run_shape`.
+RunShape = Callable[[StepShape, torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -135,12 +136,13 @@ def dummy_step(shape: StepShape, block_size: int, device: torch.device) -> tuple
 
 
 def warm_up(
-    forward: Forward, shapes: StaticShapes, log: ShapeLog, block_size: int, device: torch.device
+    run_shape: RunShape, shapes: StaticShapes, log: ShapeLog, block_size: int, device: torch.device
 ) -> None:
-    """Run (so compile) every shape serving can meet, with a progress bar; logs the count and time."""
+    """Run (so compile, and record as graphs where steps are graph-wrapped) every shape serving can
+    meet, with a progress bar; logs the count and time."""
     todo = shapes.warmup_shapes()
     start = time.perf_counter()
     for shape in tqdm(todo, desc="warmup", unit="shape", disable=None):
-        forward(*dummy_step(shape, block_size, device))
+        run_shape(shape, *dummy_step(shape, block_size, device))
         log.record(shape, warming_up=True)
     logger.info("warmup: %d step shapes in %.1f s", len(todo), time.perf_counter() - start)

@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from tgserve.kernels.sparse.config import SparseConfig
 from tgserve.server.attention.metadata import AttentionMetadata
@@ -29,6 +30,14 @@ class AttentionBackend(ABC):
     # Blocks this backend needs past the block manager's (at the end of the pool): a scratch block
     # takes the writes of padding rows when the backend cannot skip slot -1 (see kv_cache.scratch_slot).
     scratch_blocks: int = 0
+    # True when the work of a step depends only on its shape and the metadata's device tensors (not
+    # its host lists): then a padded step can be replayed from a graph recorded for its shape.
+    shape_only: bool = False
+
+    def graph_wrap(self, module: nn.Module) -> nn.Module:
+        """The module replayed as a graph per input shape, where the device records graphs that way
+        (HPU graphs); the module itself elsewhere."""
+        return module
 
     def mark_step(self) -> None:
         """The end of a part of the step (the forward, the sampling). Lazy-mode devices (Gaudi) run

@@ -177,12 +177,16 @@ class HpuAttentionBackend(AttentionBackend):
 
     name = "hpu"
     scratch_blocks = 1
+    shape_only = True
 
     def __init__(self, ops: HabanaOps | None = None) -> None:
         self.ops: HabanaOps = ops if ops is not None else GaudiOps()
 
     def mark_step(self) -> None:
         self.ops.mark_step()
+
+    def graph_wrap(self, module):  # noqa: ANN001, ANN201
+        return self.ops.wrap_in_hpu_graph(module)
 
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, layer: AttentionLayerParams):
         plan = hpu_step_plan(metadata)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -17,6 +18,7 @@ class TorchStandInOps:
 
     def __init__(self) -> None:
         self.calls: Counter[str] = Counter()
+        self.graphs: ShapeKeyedGraphs | None = None  # the last module wrapped
         self.last_is_causal: bool | None = None  # of the last fused_sdpa call
 
     def fused_sdpa(self, query, key, value, attn_bias, is_causal, scale):
@@ -33,4 +35,24 @@ class TorchStandInOps:
 
     def wrap_in_hpu_graph(self, module: nn.Module) -> nn.Module:
         self.calls["wrap_in_hpu_graph"] += 1
-        return module
+        self.graphs = ShapeKeyedGraphs(module)
+        return self.graphs
+
+
+class ShapeKeyedGraphs(nn.Module):
+    """Stands in for a module wrapped in HPU graphs: the first call with a set of input shapes is a
+    capture, later calls with those shapes are replays (the module runs eagerly either way)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        self.captured: set[tuple] = set()
+        self.replays = 0
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        key = tuple(tuple(a.shape) for a in args)
+        if key in self.captured:
+            self.replays += 1
+        else:
+            self.captured.add(key)
+        return self.module(*args)

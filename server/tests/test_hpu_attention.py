@@ -288,22 +288,30 @@ def serve_scenario(arch: str, buckets: BucketConfig | None) -> tuple[dict[str, l
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])  # gemma2: softcap and alternating sliding windows
-def test_static_runner_with_the_hpu_backend_gives_the_cpu_tokens(arch, monkeypatch):
+@pytest.mark.parametrize("decode_graphs_only", [False, True])  # LIMIT_HPU_GRAPH
+def test_static_runner_with_the_hpu_backend_gives_the_cpu_tokens(arch, decode_graphs_only, monkeypatch):
     """The engine's static-shape runner (padded steps, chunked prefill, preemption, a prefix hit) on
-    CPU with the hpu backend behind TorchStandInOps gives the cpu backend's greedy tokens."""
+    CPU with the hpu backend behind TorchStandInOps gives the cpu backend's greedy tokens. Its steps
+    run as graph-wrapped step modules: TorchStandInOps' ShapeKeyedGraphs stands in for HPU graphs
+    (a capture per new input shape, replays after); serving after warmup captures nothing."""
     expected, _ = serve_scenario(arch, None)
     stand_in = TorchStandInOps()
     monkeypatch.setattr(
         model_shard, "attention_backend", lambda device, sparse=None: HpuAttentionBackend(stand_in)
     )
-    got, engine = serve_scenario(arch, BucketConfig(token_step=16, batch_step=4, prefill_batch_step=2))
+    buckets = BucketConfig(
+        token_step=16, batch_step=4, prefill_batch_step=2, decode_graphs_only=decode_graphs_only
+    )
+    got, engine = serve_scenario(arch, buckets)
     assert got == expected
-    assert engine.runner.kv_caches[0].shape[1] > engine.num_blocks
+    assert engine.runner.kv_caches[0].shape[1] > engine.num_blocks  # the scratch block
     assert stand_in.calls["fused_sdpa"] > 0 or arch == "gemma2"
-    assert (
-        stand_in.calls["mark_step"] >= 2 * engine.runner.shape_log.after_warmup
-    )  # after forward and sampling
-    assert stand_in.calls["mark_step"] > 0 and engine.runner.shape_log.after_warmup == 0
+    assert stand_in.calls["mark_step"] > 0  # after each forward and each sampling
+    graphs, shapes = stand_in.graphs, engine.runner.static.warmup_shapes()
+    graphed = [s for s in shapes if s.decode or not decode_graphs_only]
+    # One capture per graphed warmup shape, none for shapes met later (there were none), replays while serving.
+    assert stand_in.calls["wrap_in_hpu_graph"] == 1 and len(graphs.captured) == len(graphed)
+    assert graphs.replays > 0 and engine.runner.shape_log.after_warmup == 0
 
 
 def test_nothing_imports_habana_frameworks_at_import_time():
