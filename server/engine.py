@@ -134,9 +134,9 @@ class LLMEngine:
     """One model served by continuous batching over a paged KV cache: on one device, or as rank 0
     of `tensor_parallel_size` shards whose workers take every step with it."""
 
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, described: ModelDescription | None = None) -> None:
         self.args = args
-        described = load_model_description(args)
+        described = described or load_model_description(args)
         self.device, self.dtype, self.source = described.device, described.dtype, described.source
         self.config, self.max_model_len = described.config, described.max_model_len
         self.model_id = args.model or "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -306,3 +306,16 @@ class LLMEngine:
         stats = self.scheduler.stats()
         tokens, seqs = self._last_step
         return EngineStats(**{**stats.__dict__, "step_num_tokens": tokens, "step_num_seqs": seqs})
+
+
+def create_engine(args: EngineArgs) -> Any:
+    """The engine for `args`: `LLMEngine`, or on a Gaudi, for an architecture with no native
+    implementation, optimum-habana's static-cache model behind the same interface."""
+    described = load_model_description(args)
+    from tgserve.server.hpu.fallback_model import fallback_needed
+
+    if fallback_needed(described.config, described.device):
+        from tgserve.server.hpu.static_engine import StaticBatchEngine
+
+        return StaticBatchEngine(args, described)
+    return LLMEngine(args, described)

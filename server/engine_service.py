@@ -50,7 +50,7 @@ def build_engine(engine_args: dict[str, Any]) -> Any:
     """Import the engine only here, so that `--help` and config errors stay fast."""
     import dataclasses
 
-    from tgserve.server.engine import EngineArgs, LLMEngine
+    from tgserve.server.engine import EngineArgs, create_engine
 
     unsupported = sorted(set(engine_args) - {f.name for f in dataclasses.fields(EngineArgs)})
     if unsupported:
@@ -61,7 +61,7 @@ def build_engine(engine_args: dict[str, Any]) -> Any:
         from tgserve.server.static_shapes import BucketConfig
 
         engine_args = {**engine_args, "buckets": BucketConfig(**engine_args["buckets"])}
-    return LLMEngine(EngineArgs(**engine_args))
+    return create_engine(EngineArgs(**engine_args))
 
 
 def save_tokenizer(engine: Any, directory: str | None) -> str:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tgserve.server.engine import EngineArgs, LLMEngine
+from tgserve.server.engine import EngineArgs, create_engine
 from tgserve.server.outputs import RequestOutput, TokenLogprob
 from tgserve.server.sampling_params import InvalidRequestError, SamplingParams
 
@@ -32,8 +32,19 @@ class LLM:
     """Load a model (hub id, local directory, .gguf file, or None for the default) and generate offline."""
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
-        self.tokenizer = self.engine.tokenizer
+        self._attach(create_engine(EngineArgs(model=model, **engine_args)))
+
+    @classmethod
+    def from_engine(cls, engine: Any) -> LLM:
+        """Generate offline with an engine already built: anything with `LLMEngine`'s interface, e.g.
+        the Gaudi fallback's `StaticBatchEngine`."""
+        llm = cls.__new__(cls)
+        llm._attach(engine)
+        return llm
+
+    def _attach(self, engine: Any) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
         self._ids = itertools.count()
 
     def generate(

@@ -77,6 +77,19 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
+    def stop_reason(self, token_id: int, max_len: int) -> FinishReason | None:
+        """Why the request stops after gaining `token_id` (already appended), or None; `max_len`
+        bounds prompt plus output. The token that ended generation says more than the limit it
+        happened to reach, so the token checks come first."""
+        params = self.sampling_params
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return FinishReason.EOS_TOKEN
+        if token_id in params.stop_token_ids:
+            return FinishReason.STOP_SEQUENCE
+        if self.num_output_tokens >= params.max_new_tokens or self.num_tokens >= max_len:
+            return FinishReason.LENGTH
+        return None
+
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, status={self.status.value}, "

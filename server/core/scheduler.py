@@ -282,23 +282,11 @@ class Scheduler:
             self.block_manager.cache_full_blocks(request, known)
             if token_id is None:
                 continue
-            reason = self._stop_reason(request, token_id)
+            reason = request.stop_reason(token_id, self._max_len)
             if reason is not None:
                 self._finish(request, reason)
             updated.append(request)
         return updated
-
-    def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
-        # The token that ended generation says more than the limit it happened to reach, so the
-        # token checks come first.
-        params = request.sampling_params
-        if not params.ignore_eos and token_id in request.eos_token_ids:
-            return FinishReason.EOS_TOKEN
-        if token_id in params.stop_token_ids:
-            return FinishReason.STOP_SEQUENCE
-        if request.num_output_tokens >= params.max_new_tokens or request.num_tokens >= self._max_len:
-            return FinishReason.LENGTH
-        return None
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         if request.status == RequestStatus.RUNNING:

@@ -62,8 +62,10 @@ def run_engine(engine: LLMEngine, requests: list[ScenarioRequest], max_steps: in
     assert step < max_steps, "engine did not finish the scenario"
 
 
-def reference_greedy(hf_model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """transformers `generate`, greedy, on one prompt alone, never stopping at EOS."""
+def reference_greedy(
+    hf_model: torch.nn.Module, prompt: list[int], max_new_tokens: int, eos_token_id: int | None = None
+) -> list[int]:
+    """transformers `generate`, greedy, on one prompt alone, stopping at `eos_token_id` if given."""
     input_ids = torch.tensor([prompt])
     with torch.no_grad():
         out = hf_model.generate(
@@ -72,8 +74,8 @@ def reference_greedy(hf_model: torch.nn.Module, prompt: list[int], max_new_token
             max_new_tokens=max_new_tokens,
             min_new_tokens=0,
             do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
+            eos_token_id=eos_token_id,
+            pad_token_id=eos_token_id or 0,
         )
     return out[0, len(prompt) :].tolist()
 

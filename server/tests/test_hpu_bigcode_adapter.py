@@ -18,22 +18,11 @@ from tgserve.server.hpu.cache_layouts import FusedMultiQuery, PerLayerKV, layout
 from tgserve.server.hpu.static_batch import StaticBatchGenerator
 from tgserve.server.testing.fixtures import CHECK_PROMPTS, fixture_path, single_threaded_torch
 
+from .parity import reference_greedy
+
 PROMPTS = [*CHECK_PROMPTS, "def fib(n):\n    return"]  # 7, 5, 7, 17, 19, 4 and 10 tokens
 MAX_NEW_TOKENS = [9, 4, 12, 6, 5, 11, 8]
 ROWS, MAX_LEN = 3, 24
-
-
-def _generate_alone(model, prompt: list[int], max_new_tokens: int, eos: int) -> list[int]:
-    input_ids = torch.tensor([prompt])
-    output = model.generate(
-        input_ids,
-        attention_mask=torch.ones_like(input_ids),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=eos,
-        pad_token_id=eos,
-    )
-    return output[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize(("arch", "layout_class"), [("gpt_bigcode", FusedMultiQuery), ("llama", PerLayerKV)])
@@ -49,7 +38,7 @@ def test_static_batch_matches_generate_token_for_token(arch: str, layout_class: 
     prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
     with single_threaded_torch(), torch.no_grad():
         expected = [
-            _generate_alone(model, p, m, config.eos_token_id) for p, m in zip(prompts, MAX_NEW_TOKENS)
+            reference_greedy(model, p, m, config.eos_token_id) for p, m in zip(prompts, MAX_NEW_TOKENS)
         ]
         generator = StaticBatchGenerator(model, layout, ROWS, MAX_LEN, eos_token_id=config.eos_token_id)
         outputs = generator.generate(prompts, MAX_NEW_TOKENS)
