@@ -7,7 +7,8 @@ attention has the real structure sparse patterns rely on (sinks, locality, salie
 four times past its training length. The prompts are real text: the Python standard library's
 sources, read from different offsets. For each prompt, both runs generate --new-tokens greedily
 after a prefill of --prompt-tokens; reported: first-token agreement, the mean share of positions
-equal before the first difference, and both prefill times.
+equal before the first difference, and both prefill times. The noise floor beside them: the same
+for dense against dense with the prompt in two chunks, exact attention in other bf16 arithmetic.
 
 Run on a GPU: python benchmarks/sparse_agreement.py --gguf PATH [--prompts 16 --prompt-tokens 32768]
 """
@@ -15,6 +16,7 @@ Run on a GPU: python benchmarks/sparse_agreement.py --gguf PATH [--prompts 16 --
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sysconfig
 import tempfile
@@ -113,12 +115,20 @@ def main() -> None:
         prompts = long_prompts(engine, args.prompts, args.prompt_tokens)
         continuation(engine, prompts[0][:4096], 2, "warm-up")
         rows = []
+        whole = engine.scheduler.config
+        halves = dataclasses.replace(whole, max_num_batched_tokens=args.prompt_tokens // 2)
         for i, prompt in enumerate(prompts):
             backend.sparse = None
             dense, dense_s = continuation(engine, prompt, args.new_tokens, f"dense-{i}")
             backend.sparse = sparse_config
             sparse, sparse_s = continuation(engine, prompt, args.new_tokens, f"sparse-{i}")
+            # The noise floor: dense again, the prompt in two chunks (the paged kernel for the second):
+            # the same attention in other bf16 arithmetic.
+            backend.sparse, engine.scheduler.config = None, halves
+            chunked, _ = continuation(engine, prompt, args.new_tokens, f"chunked-{i}")
+            engine.scheduler.config = whole
             rows.append({"first": dense[0] == sparse[0], "agree": agreement(dense, sparse),
+                         "first_chunked": dense[0] == chunked[0], "agree_chunked": agreement(dense, chunked),
                          "dense_s": dense_s, "sparse_s": sparse_s})  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
     summary = {
@@ -127,6 +137,8 @@ def main() -> None:
         "new_tokens": args.new_tokens,
         "first_token_agreement": sum(r["first"] for r in rows) / len(rows),
         "mean_prefix_agreement": sum(r["agree"] for r in rows) / len(rows),
+        "noise_floor_first_token": sum(r["first_chunked"] for r in rows) / len(rows),
+        "noise_floor_mean_prefix": sum(r["agree_chunked"] for r in rows) / len(rows),
         "dense_ttft_s": sorted(r["dense_s"] for r in rows)[len(rows) // 2],
         "sparse_ttft_s": sorted(r["sparse_s"] for r in rows)[len(rows) // 2],
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
