@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -36,14 +36,15 @@ RunShape = Callable[[StepShape, torch.Tensor, torch.Tensor, AttentionMetadata, t
 
 @dataclass
 class ShapeLog:
-    """The step shapes this runner has compiled: on Gaudi each is an HPU graph compile; on CPU only
-    the count is kept, so that tests can check serving after warmup compiles nothing new."""
+    """The shapes (a `StepShape`, or any hashable key of a forward's input shapes) compiled so far:
+    on Gaudi each new one is a graph compile; on CPU only the keys are kept, so that tests can check
+    that serving after warmup compiles nothing new."""
 
-    seen: set[StepShape] = field(default_factory=set)
-    served: set[StepShape] = field(default_factory=set)  # shapes met while serving
+    seen: set[Hashable] = field(default_factory=set)
+    served: set[Hashable] = field(default_factory=set)  # shapes met while serving
     after_warmup: int = 0  # new shapes met while serving: compiles a user waits for
 
-    def record(self, shape: StepShape, warming_up: bool = False) -> None:
+    def record(self, shape: Hashable, warming_up: bool = False) -> None:
         if not warming_up:
             self.served.add(shape)
         if shape not in self.seen:

@@ -11,20 +11,33 @@ mechanics) and `tgserve.server.hpu.static_engine.StaticBatchEngine` (the serving
 On CPU this drives any transformers causal LM through any layout; the tests run the tiny GPT-BigCode
 model through the fused multi-query layout against transformers `generate`. On a Gaudi, optimum-habana's
 own classes take the layout's tensors directly; only `forward_step` would differ.
+
+Static shapes: on a Gaudi every new forward input shape is a graph compile (seconds). A prefill is
+left-padded to its prompt-length bucket (tgi-gaudi's PAD_SEQUENCE_TO_MULTIPLE_OF) and a decode step
+always reads the whole static width, so `warm_up` can run every shape serving will meet; `shapes`
+logs the shapes met, so tests can check that serving after warmup meets no new one.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
+import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import torch
+from tqdm import tqdm
+
+from tgserve.server.static_runner import ShapeLog
+from tgserve.server.static_shapes import BucketConfig, bucket_for, exponential_buckets, linear_buckets
 
 from .cache_layouts import KV, CacheLayout
 from .static_cache import StaticCache
+
+logger = logging.getLogger(__name__)
 
 Row = TypeVar("Row")  # what a driver keeps per occupied row (its request object)
 
@@ -71,6 +84,16 @@ def _cache_argument(model: Any) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def prompt_buckets(config: BucketConfig, max_len: int) -> list[int]:
+    """The lengths prompts are left-padded to, up to the longest prompt a row of `max_len` holds
+    (`max_len - 1`): multiples of `token_step` (linear) or powers of two from it (exponential)."""
+    longest = max_len - 1
+    smallest = min(config.token_step, longest)
+    if config.scheme == "linear":
+        return linear_buckets(smallest, config.token_step, longest)
+    return exponential_buckets(smallest, longest)
+
+
 class StaticBatch(Generic[Row]):
     """The rows of one static cache of `rows` x `max_len` positions and what occupies them.
 
@@ -79,26 +102,49 @@ class StaticBatch(Generic[Row]):
     out: a sequence of prompt + generated tokens holds one position fewer than its length (its last
     token is not fed yet), so stopping every sequence at `max_len` tokens is enough.
 
+    `prompt_buckets`: the lengths prompts are left-padded to (see `prompt_buckets`); by default every
+    length from 1 to `max_len - 1` is its own bucket, so nothing is padded.
+
     `events` counts the batch operations run (insert, filter, shift_left, shift_right), so tests can
-    check that a scenario exercised them.
+    check that a scenario exercised them; `shapes` logs the forward input shapes met.
     """
 
-    def __init__(self, model: Any, layout: CacheLayout, rows: int, max_len: int) -> None:
+    def __init__(
+        self,
+        model: Any,
+        layout: CacheLayout,
+        rows: int,
+        max_len: int,
+        prompt_buckets: Sequence[int] | None = None,
+    ) -> None:
         self.model = model
         self.cache = StaticCache.allocate(layout, rows, max_len)
+        self.prompt_buckets = sorted(prompt_buckets) if prompt_buckets else list(range(1, max_len))
         self.running: list[Row] = []
         self.events: Counter[str] = Counter()
+        self.shapes = ShapeLog()  # keys: (input_ids shape, attention mask shape, cache width)
+        self._warming_up = False
 
     @property
     def num_free_rows(self) -> int:
         return self.cache.rows - len(self.running)
 
     def prefill(self, prompt: list[int]) -> tuple[torch.Tensor, list[KV]]:
-        """Run a prompt alone (a batch of one, no padding): its logits `[len(prompt), vocab]` and KV."""
-        input_ids = torch.tensor([prompt], device=self.cache.mask.device)
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
-        logits, kv = forward_step(self.model, input_ids, torch.ones_like(input_ids), positions, [])
-        return logits[0], kv
+        """Run a prompt alone (a batch of one), left-padded to its bucket: the logits of its own
+        positions `[len(prompt), vocab]` and their KV, as if it had run unpadded.
+
+        The padding is masked out and its positions sit left of position 0 (all given 0), so the real
+        tokens keep positions 0..n-1; its KV is dropped here, so it never reaches the cache.
+        """
+        width = bucket_for(self.prompt_buckets, len(prompt), "a prompt")
+        pad = width - len(prompt)
+        device = self.cache.mask.device
+        input_ids = torch.tensor([[0] * pad + list(prompt)], device=device)
+        columns = torch.arange(width, device=device)[None]
+        attention_mask = (columns >= pad).long()
+        positions = (columns - pad).clamp(min=0)
+        logits, kv = self._forward(input_ids, attention_mask, positions, [])
+        return logits[0, pad:], [(keys[:, :, pad:], values[:, :, pad:]) for keys, values in kv]
 
     def insert(self, row: Row, kv: list[KV], length: int) -> None:
         """Put a prefilled sequence of `length` positions into the first free row, widening the batch
@@ -124,15 +170,52 @@ class StaticBatch(Generic[Row]):
             cache.shift_left(cache.leading_padding())  # at least 1: see the class docstring
             self.events["shift_left"] += 1
         tokens = list(last_tokens) + [0] * self.num_free_rows  # free rows compute garbage nobody reads
-        input_ids = torch.tensor(tokens, device=cache.mask.device)[:, None]
-        seen = cache.mask[:, : cache.end]
-        position_ids = seen.sum(dim=1, keepdim=True)  # real positions before the new one
-        attention_mask = torch.cat([seen, cache.occupied().long()[:, None]], dim=1)
-        logits, new_kv = forward_step(
-            self.model, input_ids, attention_mask, position_ids, cache.layout.to_kv(cache.layers, cache.end)
-        )
+        logits, new_kv = self._forward(*self._decode_inputs(tokens))
         cache.append(new_kv)
         return logits[: len(self.running), -1]
+
+    def _decode_inputs(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[KV]]:
+        """A decode step's input_ids `[rows, 1]`, attention mask `[rows, max_len + 1]`, position ids
+        and past: one token per row after the whole static width, not just the used columns, so that
+        every decode step has one shape (as on a Gaudi, whose model writes its static cache in place).
+        Reading the columns from `end` on changes nothing: the cache keeps their mask 0."""
+        cache = self.cache
+        input_ids = torch.tensor(tokens, device=cache.mask.device)[:, None]
+        position_ids = cache.mask.sum(dim=1, keepdim=True)  # real positions before the new one
+        attention_mask = torch.cat([cache.mask, cache.occupied().long()[:, None]], dim=1)
+        return input_ids, attention_mask, position_ids, cache.layout.to_kv(cache.layers, cache.max_len)
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        past: list[KV],
+    ) -> tuple[torch.Tensor, list[KV]]:
+        """`forward_step`, logging its input shapes."""
+        width = past[0][0].shape[2] if past else 0
+        self.shapes.record((tuple(input_ids.shape), tuple(attention_mask.shape), width), self._warming_up)
+        return forward_step(self.model, input_ids, attention_mask, position_ids, past)
+
+    def warm_up(self) -> None:
+        """Run every shape serving can meet once, so that on a Gaudi each is compiled before a user
+        waits for it: a prefill per prompt bucket (largest first, to size the memory pools) and one
+        decode step. Dummy inputs, outputs dropped: the cache is read, never written.
+        """
+        todo = [*sorted(self.prompt_buckets, reverse=True), None]  # None: the decode step
+        start = time.perf_counter()
+        self._warming_up = True
+        try:
+            for width in tqdm(todo, desc="warmup", unit="shape", disable=None):
+                if width is not None:
+                    self.prefill([0] * width)
+                    continue
+                input_ids, attention_mask, position_ids, past = self._decode_inputs([0] * self.cache.rows)
+                attention_mask[:, -1] = 1  # each dummy row sees its own token: no fully masked row
+                self._forward(input_ids, attention_mask, position_ids, past)
+        finally:
+            self._warming_up = False
+        logger.info("static-batch warmup: %d shapes in %.1f s", len(todo), time.perf_counter() - start)
 
     def retire(self, done: Callable[[Row], bool]) -> list[Row]:
         """Filter out the rows whose occupant is `done`, compacting the rest; returns the retired."""
@@ -168,9 +251,15 @@ class StaticBatchGenerator:
     """
 
     def __init__(
-        self, model: Any, layout: CacheLayout, rows: int, max_len: int, eos_token_id: int | None = None
+        self,
+        model: Any,
+        layout: CacheLayout,
+        rows: int,
+        max_len: int,
+        eos_token_id: int | None = None,
+        prompt_buckets: Sequence[int] | None = None,
     ) -> None:
-        self.batch: StaticBatch[GreedyRequest] = StaticBatch(model, layout, rows, max_len)
+        self.batch: StaticBatch[GreedyRequest] = StaticBatch(model, layout, rows, max_len, prompt_buckets)
         self.eos_token_id = eos_token_id
 
     @property

@@ -9,6 +9,11 @@ requests one at a time into the freed rows, each taking its first token. Every r
 one token per step, as with `LLMEngine`; outputs, errors and stats have the same types, so
 `engine_service` and `LLM` drive either engine alike.
 
+Static shapes (`args.static_shapes`, by default on a Gaudi only): prompts are left-padded to
+`args.buckets`' prompt-length buckets (decode steps always have one shape), and unless
+`args.buckets.warmup` is off every one of those shapes runs once before serving
+(`StaticBatch.warm_up`), so that no user waits for a graph compile.
+
 The static cache maps onto the engine's metrics as rows of one block each: `num_total_blocks` is
 `rows` and `args.block_size` is `max_len`. No prefix cache, no preemption, no prompt chunking.
 """
@@ -32,7 +37,7 @@ from tgserve.server.sampling_params import InvalidRequestError, SamplingParams
 
 from .cache_layouts import layout_for_config
 from .fallback_model import load_fallback_model
-from .static_batch import StaticBatch
+from .static_batch import StaticBatch, prompt_buckets
 from .static_requests import output_delta, prompt_logprobs, sampling_row, validate_prompt
 
 logger = logging.getLogger(__name__)
@@ -62,17 +67,25 @@ class StaticBatchEngine:
             self.source, self.config, self.dtype, self.device, args.trust_remote_code, args.allow_pickle
         )
         layout = layout_for_config(self.config, self.dtype, self.device)
-        self.batch: StaticBatch[Request] = StaticBatch(model, layout, args.max_num_seqs, self.max_model_len)
+        # As for the paged engine: static shapes by default on a Gaudi, where each new one compiles.
+        static = self.device.type == "hpu" if args.static_shapes is None else args.static_shapes
+        buckets = prompt_buckets(args.buckets, self.max_model_len) if static else None
+        self.batch: StaticBatch[Request] = StaticBatch(
+            model, layout, args.max_num_seqs, self.max_model_len, buckets
+        )
+        if static and args.buckets.warmup:
+            self.batch.warm_up()
         self.sampler = Sampler()
         self.waiting: deque[Request] = deque()
         self._requests: dict[str, Request] = {}  # unfinished ones, waiting or running
         self._last_step = (0, 0)
         logger.info(
-            "static-batch engine ready: %s, %d rows of %d positions (%s layout)",
+            "static-batch engine ready: %s, %d rows of %d positions (%s layout), prompts padded to %s",
             self.source.display_name,
             args.max_num_seqs,
             self.max_model_len,
             type(layout).__name__,
+            buckets or "their own lengths",
         )
 
     def close(self) -> None:

@@ -4,7 +4,8 @@ transformers `generate` (greedy, float32, CPU).
 Seven prompts of 4 to 19 tokens with different budgets share three static rows of 24 positions, so
 requests finish at different steps and are filtered out, waiting ones are inserted into the freed rows
 (longer prompts shifting the batch right), and the batch shifts left when the used width reaches 24.
-The same run drives the tiny Llama through the per-layer layout: the loop knows no layout.
+The same run drives the tiny Llama through the per-layer layout: the loop knows no layout. Each runs
+twice: prompts at their own lengths, and left-padded to buckets of 8, 16 and 23 tokens.
 """
 
 from __future__ import annotations
@@ -25,8 +26,11 @@ MAX_NEW_TOKENS = [9, 4, 12, 6, 5, 11, 8]
 ROWS, MAX_LEN = 3, 24
 
 
+@pytest.mark.parametrize("buckets", [None, (8, 16, 23)], ids=["unpadded", "padded"])
 @pytest.mark.parametrize(("arch", "layout_class"), [("gpt_bigcode", FusedMultiQuery), ("llama", PerLayerKV)])
-def test_static_batch_matches_generate_token_for_token(arch: str, layout_class: type) -> None:
+def test_static_batch_matches_generate_token_for_token(
+    arch: str, layout_class: type, buckets: tuple[int, ...] | None
+) -> None:
     path = fixture_path(arch)
     model = AutoModelForCausalLM.from_pretrained(
         path, attn_implementation="eager", **dtype_kwargs(torch.float32)
@@ -40,7 +44,9 @@ def test_static_batch_matches_generate_token_for_token(arch: str, layout_class: 
         expected = [
             reference_greedy(model, p, m, config.eos_token_id) for p, m in zip(prompts, MAX_NEW_TOKENS)
         ]
-        generator = StaticBatchGenerator(model, layout, ROWS, MAX_LEN, eos_token_id=config.eos_token_id)
+        generator = StaticBatchGenerator(
+            model, layout, ROWS, MAX_LEN, eos_token_id=config.eos_token_id, prompt_buckets=buckets
+        )
         outputs = generator.generate(prompts, MAX_NEW_TOKENS)
 
     for index, (got, want) in enumerate(zip(outputs, expected)):
@@ -50,3 +56,5 @@ def test_static_batch_matches_generate_token_for_token(arch: str, layout_class: 
     assert events["insert"] > ROWS, events  # some requests went into rows freed by filter
     assert events["filter"] >= 2 and events["shift_left"] >= 1 and events["shift_right"] >= 1, events
     assert not generator.running and not generator.cache.occupied().any()
+    widths = {input_ids[1] for input_ids, _, cache_width in generator.batch.shapes.served if cache_width == 0}
+    assert widths == (set(buckets) if buckets else {len(p) for p in prompts})

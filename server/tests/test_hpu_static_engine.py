@@ -10,6 +10,10 @@ shifting the batch right), the batch shifts left at the static length, one reque
 running and one while waiting, one stops on a stop token and one at the static length. Each
 request's tokens equal transformers `generate` on its prompt alone (greedy, float32); seeded sampling
 with penalties and logprobs equals `LLMEngine`'s on the same requests.
+
+Static shapes: prompts are left-padded to buckets of 8 (so to 8, 16 or 23 tokens, padded by 1 to 6),
+and after warmup the staggered run meets no forward input shape that warmup did not; with warmup
+off, the shape log counts every shape served as new (so the check can fail).
 """
 
 from __future__ import annotations
@@ -28,10 +32,13 @@ from tgserve.server.engine import EngineArgs, LLMEngine, load_model_description
 from tgserve.server.hf_compat import dtype_kwargs
 from tgserve.server.hpu.cache_layouts import FusedMultiQuery, PerLayerKV
 from tgserve.server.hpu.fallback_model import fallback_needed
+from tgserve.server.hpu.static_batch import prompt_buckets
 from tgserve.server.hpu.static_engine import StaticBatchEngine
 from tgserve.server.llm import LLM
 from tgserve.server.outputs import RequestOutput
 from tgserve.server.sampling_params import InvalidRequestError, SamplingParams
+from tgserve.server.static_runner import ShapeLog
+from tgserve.server.static_shapes import BucketConfig
 from tgserve.server.testing.fixtures import CHECK_PROMPTS, fixture_path, single_threaded_torch
 
 from .parity import reference_greedy
@@ -39,6 +46,8 @@ from .parity import reference_greedy
 LAYOUTS = {"gpt_bigcode": FusedMultiQuery, "llama": PerLayerKV, "gpt2": PerLayerKV}
 PROMPTS = [*CHECK_PROMPTS, "def fib(n):\n    return"]  # 7, 5, 7, 17, 19, 4 and 10 tokens
 ROWS, MAX_LEN = 3, 24
+BUCKETS = BucketConfig(token_step=8)  # prompts padded to 8, 16 or 23 tokens
+DECODE_SHAPE = ((ROWS, 1), (ROWS, MAX_LEN + 1), MAX_LEN)  # input_ids, attention mask, cache width
 
 
 @pytest.fixture(autouse=True)
@@ -47,9 +56,21 @@ def _one_thread():
         yield
 
 
-def static_engine(arch: str) -> StaticBatchEngine:
-    args = EngineArgs(model=str(fixture_path(arch)), device="cpu", max_num_seqs=ROWS, max_model_len=MAX_LEN)
+def static_engine(arch: str, buckets: BucketConfig = BucketConfig()) -> StaticBatchEngine:
+    args = EngineArgs(
+        model=str(fixture_path(arch)),
+        device="cpu",
+        max_num_seqs=ROWS,
+        max_model_len=MAX_LEN,
+        static_shapes=True,  # the default on a Gaudi
+        buckets=buckets,
+    )
     return StaticBatchEngine(args, load_model_description(args))
+
+
+def prefill_widths(log: ShapeLog) -> set[int]:
+    """The padded prompt lengths the served prefills ran at."""
+    return {input_ids[1] for input_ids, _, width in log.served if width == 0}
 
 
 @functools.cache
@@ -125,8 +146,11 @@ def greedy(max_new_tokens: int, **kwargs: Any) -> SamplingParams:
 
 @pytest.mark.parametrize("arch", list(LAYOUTS))
 def test_staggered_requests_each_get_what_they_get_alone(arch: str) -> None:
-    engine = static_engine(arch)
+    engine = static_engine(arch, BUCKETS)
     assert type(engine.batch.cache.layout) is LAYOUTS[arch]
+    log = engine.batch.shapes
+    assert len(log.seen) == 4 and not log.served  # warmup: 3 prompt buckets and the decode step
+    assert engine.batch.cache.end == 0 and not engine.batch.cache.mask.any()  # it wrote nothing
     assert type(engine.batch.model) is type(reference_model(arch))  # the plain transformers class
     p = prompts(arch)
     stop_ref = generate_alone(arch, tuple(p[5]), 11)
@@ -169,6 +193,8 @@ def test_staggered_requests_each_get_what_they_get_alone(arch: str) -> None:
     events = engine.batch.events
     assert events["insert"] > ROWS and events["filter"] >= 2, events
     assert events["shift_left"] >= 1 and events["shift_right"] >= 1, events
+    assert log.after_warmup == 0 and log.served == log.seen, log.served ^ log.seen
+    assert prefill_widths(log) == {8, 16, 23} and DECODE_SHAPE in log.served
     stats = engine.stats()
     assert not engine.has_unfinished_requests() and not engine.needs_step()
     assert (stats.num_running, stats.num_waiting, stats.num_free_blocks, stats.num_total_blocks) == (
@@ -177,6 +203,32 @@ def test_staggered_requests_each_get_what_they_get_alone(arch: str) -> None:
         3,
         3,
     )
+
+
+def test_without_warmup_the_shape_log_counts_the_shapes_served() -> None:
+    """Exponential buckets from 4 (4, 8, 16, 23): prompts of 4, 5, 10 and 19 tokens meet each one."""
+    engine = static_engine("llama", BucketConfig(scheme="exponential", token_step=4, warmup=False))
+    assert not engine.batch.shapes.seen
+    p = prompts("llama")
+    plan = [Arrival(i, f"r{i}", p[k], greedy(5)) for i, k in enumerate([5, 1, 6, 4])]
+    seen = drive(engine, plan, {})
+    for arrival in plan:
+        want = generate_alone("llama", tuple(arrival.prompt), min(5, MAX_LEN - len(arrival.prompt)))
+        assert seen[arrival.request_id].tokens == want, len(arrival.prompt)
+    log = engine.batch.shapes
+    assert prefill_widths(log) == {4, 8, 16, 23} and DECODE_SHAPE in log.served
+    assert log.after_warmup == len(log.served) == len(log.seen) == 5  # every one a compile while serving
+
+
+def test_prompt_buckets_follow_the_scheme_where_static_shapes_are_on() -> None:
+    args = EngineArgs(model=str(fixture_path("gpt2")), device="cpu", max_num_seqs=ROWS, max_model_len=MAX_LEN)
+    off = StaticBatchEngine(args)  # static shapes are off by default off a Gaudi
+    assert off.batch.prompt_buckets == list(range(1, MAX_LEN)) and not off.batch.shapes.seen
+    assert prompt_buckets(BUCKETS, MAX_LEN) == [8, 16, 23]
+    assert prompt_buckets(BucketConfig(), MAX_LEN) == [23]  # token_step 128: everything pads to 23
+    assert prompt_buckets(BucketConfig(scheme="exponential", token_step=4), MAX_LEN) == [4, 8, 16, 23]
+    assert prompt_buckets(BucketConfig(), 4096)[:2] == [128, 256]
+    assert prompt_buckets(BucketConfig(), 4096)[-2:] == [3968, 4095]  # the longest prompt that fits
 
 
 SAMPLED = [
