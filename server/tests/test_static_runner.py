@@ -59,17 +59,25 @@ def test_bucketed_steps_give_the_tokens_of_unpadded_ones(arch: str) -> None:
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0 and plain.stats().num_preemptions > 0
 
 
+# Models whose decode step cannot be captured (test_cuda_engine.py says why) run every step eagerly.
+NOT_CAPTURABLE = {"falcon", "mixtral"}
+
+
 # On CUDA decode steps replay CUDA graphs captured per batch bucket (at start: none is captured
 # later); other steps run padded to their buckets.
-@pytest.mark.parametrize("arch", ["llama", "gpt_bigcode", "mistral"])
+@pytest.mark.parametrize("arch", FIXTURE_ARCHITECTURES)
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=ON_GPU)])
 def test_bucketed_steps_on_cuda_with_graphs(arch: str, device: str) -> None:
     expected, _ = serve(arch, None, device)
     got, engine = serve(arch, BUCKETS, device)
     assert got == expected
+    assert engine.runner.shape_log.after_warmup == 0
     graphs = engine.runner.graphs
+    if arch in NOT_CAPTURABLE:
+        assert graphs is None
+        return
     assert graphs is not None and sorted(graphs.graphs) == engine.runner.static.decode_batch
-    assert graphs.num_replays > 0 and engine.runner.shape_log.after_warmup == 0
+    assert graphs.num_replays > 0
 
 
 def test_padding_keeps_real_rows_in_place_and_adds_nothing_attended() -> None:
