@@ -100,6 +100,13 @@ class LaunchedStep:
     def row_of(self) -> dict[str, int]:
         return {request_id: row for row, request_id in enumerate(self.sampled_request_ids)}
 
+    def device_results(self) -> list[torch.Tensor]:
+        """What the host reads of this step, in this order: token ids, logprobs, prompt logprobs."""
+        tensors = [self.token_ids] if self.token_ids is not None else []
+        for logprobs in (self.logprobs, self.prompt_logprobs):
+            tensors += logprobs.tensors() if logprobs is not None else []
+        return tensors
+
 
 class ModelRunner:
     """Owns the model, the per-layer KV caches and the sampler for one device."""
@@ -148,10 +155,7 @@ class ModelRunner:
         step.prompt_rows = inputs.prompt_rows
         step.prompt_logprobs = self._score_prompt(logits[num_sampled:], inputs.prompt_rows)
         self.backend.mark_step()
-        tensors = [step.token_ids] if step.token_ids is not None else []
-        for logprobs in (step.logprobs, step.prompt_logprobs):
-            tensors += logprobs.tensors() if logprobs is not None else []
-        step.copies = HostCopies(tensors)
+        step.copies = HostCopies(step.device_results())
         self._pending = step
         return step
 
@@ -159,8 +163,9 @@ class ModelRunner:
         """The step's sampled tokens and log-probabilities, read on the host (waits for that step only)."""
         if step.output is not None:
             return step.output
-        host = step.copies.wait() if step.copies is not None else []
-        token_ids = host[0].tolist() if step.token_ids is not None else []
+        # The host copies in the order `launch` made them: token ids, logprobs, prompt logprobs.
+        host = iter(step.copies.wait() if step.copies is not None else [])
+        token_ids = next(host).tolist() if step.token_ids is not None else []
         result = RunnerOutput()
         for request_id, index, token_id in zip(
             step.sampled_request_ids, step.placeholder_index, token_ids, strict=True
@@ -169,14 +174,13 @@ class ModelRunner:
             if state is not None and index < len(state.token_ids) and state.token_ids[index] == PLACEHOLDER:
                 state.token_ids[index] = token_id
             result.sampled_token_ids[request_id] = token_id
-        offset = 0 if step.token_ids is None else 1  # the token ids come first, when there are any
         if step.logprobs is not None:
-            logprobs = step.logprobs.replace_tensors(host[offset : offset + 4]).to_list()
+            logprobs = step.logprobs.replace_tensors([next(host) for _ in step.logprobs.tensors()]).to_list()
             for row, logprob in zip(step.logprob_rows, logprobs, strict=True):
                 result.logprobs[step.sampled_request_ids[row]] = logprob
-            offset += 4
         if step.prompt_logprobs is not None:
-            scored = step.prompt_logprobs.replace_tensors(host[offset : offset + 4]).to_list()
+            prompt = step.prompt_logprobs
+            scored = prompt.replace_tensors([next(host) for _ in prompt.tensors()]).to_list()
             result.prompt_logprobs = self._split_prompt_logprobs(scored, step.prompt_rows)
         step.output = result
         if self._pending is step:
