@@ -25,7 +25,7 @@ from tgserve.server.model_shard import build_shard
 from tgserve.server.outputs import EngineStats, RequestOutput, TokenLogprob
 from tgserve.server.runner import LaunchedStep, RunnerOutput
 from tgserve.server.sampling_params import InvalidRequestError, SamplingParams
-from tgserve.server.shard_workers import free_tcp_address, shard_device, start_workers
+from tgserve.server.shard_workers import WorkerWatch, free_tcp_address, shard_device, start_workers
 from tgserve.server.static_shapes import BucketConfig
 
 logger = logging.getLogger(__name__)
@@ -180,6 +180,7 @@ class LLMEngine:
             raise ValueError(f"--num-shard {size} needs {size} GPUs; {torch.cuda.device_count()} are visible")
         address = free_tcp_address()
         workers = start_workers(self.args, address)
+        self._watch = WorkerWatch(workers)
         tp = init_tensor_parallel(0, size, address)
         self.device = shard_device(self.device, 0)
         return tp, workers
@@ -187,6 +188,7 @@ class LLMEngine:
     def close(self) -> None:
         """Stop the shard workers (nothing to do with one shard). Idempotent."""
         if self.workers:
+            self._watch.stop()
             self.tp.broadcast_object(None)
             for worker in self.workers:
                 worker.join(timeout=30)

@@ -10,9 +10,13 @@ each request stay equal (`init_tensor_parallel` seeds them). `None` ends the loo
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing as mp
+import os
 import socket
+import sys
+import threading
 from typing import TYPE_CHECKING
 
 import torch
@@ -72,3 +76,38 @@ def worker_main(rank: int, args: EngineArgs, init_method: str) -> None:
             shard.runner.collect(in_flight)
         in_flight = launched
     shutdown_tensor_parallel()
+
+
+class WorkerWatch:
+    """Ends this process, saying why, when a shard worker dies before `stop()`.
+
+    Rank 0 would otherwise wait in the process group's rendezvous or in a collective until its
+    timeout (30 minutes): a worker that fails while loading its shard hangs the server's start.
+    The main thread may be blocked inside such a wait, where no exception can reach it, so the
+    watch exits the process; the launcher then reports the engine's exit.
+    """
+
+    def __init__(self, workers: list[mp.process.BaseProcess], poll_s: float = 0.5) -> None:
+        self.workers, self.poll_s = workers, poll_s
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="tgserve-shard-watch", daemon=True)
+        self._thread.start()
+        # At interpreter exit multiprocessing terminates daemon workers; atexit runs hooks last
+        # registered first, so this one stops the watch before that.
+        atexit.register(self.stop)
+
+    def stop(self) -> None:
+        """From here on workers may exit (the engine is closing them)."""
+        self._stopping.set()
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(self.poll_s):
+            dead = next((w for w in self.workers if w.exitcode is not None), None)
+            if dead is not None and not self._stopping.is_set():
+                print(
+                    f"tgserve: shard worker {dead.name} (pid {dead.pid}) exited with code {dead.exitcode}; "
+                    "the other shards cannot go on without it, stopping the engine",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                os._exit(1)

@@ -3,6 +3,10 @@ of the unsharded model, for untied (llama) and tied, per-head-normed (qwen3) fix
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -117,3 +121,27 @@ def test_an_architecture_without_tensor_parallel_layers_is_refused_by_name() -> 
             load_model(source, load_config(source), torch.float32, torch.device("cpu"))
     finally:
         distributed._current = previous
+
+
+def test_a_worker_dying_while_loading_stops_the_engine_at_once_saying_so() -> None:
+    """Rank 0 waits for its workers in the process group's rendezvous (and later in collectives),
+    where a dead worker would keep it until the group's 30-minute timeout. Here the worker process
+    exits with code 3 before joining: the engine process must end within seconds, naming it."""
+    script = f"""
+import multiprocessing as mp, os
+import tgserve.server.engine as engine
+
+def start_dying(args, address):  # rank 1, which dies at once
+    worker = mp.get_context("spawn").Process(target=os._exit, args=(3,), name="tgserve-shard-1")
+    worker.start()
+    return [worker]
+
+engine.start_workers = start_dying
+engine.LLMEngine(engine.EngineArgs(model={str(fixture_path("llama"))!r}, tensor_parallel_size=2, num_blocks=8))
+print("the engine started without its worker")
+"""
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "shard worker tgserve-shard-1" in done.stderr and "exited with code 3" in done.stderr
+    assert time.monotonic() - started < 60
