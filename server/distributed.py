@@ -14,6 +14,13 @@ import torch
 import torch.distributed as dist
 
 
+def split_evenly(total: int, shards: int, what: str) -> int:
+    """One shard's share of `total` `what` (heads, features); ValueError naming both if it is not whole."""
+    if total % shards:
+        raise ValueError(f"{total} {what} cannot be split evenly across {shards} shards")
+    return total // shards
+
+
 @dataclass(frozen=True)
 class TensorParallel:
     rank: int = 0
@@ -23,9 +30,7 @@ class TensorParallel:
 
     def divide(self, total: int, what: str) -> int:
         """This rank's share of `total` (heads, features); they must split evenly."""
-        if total % self.world_size:
-            raise ValueError(f"{what} ({total}) cannot be split evenly across {self.world_size} shards")
-        return total // self.world_size
+        return split_evenly(total, self.world_size, what)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over the shards, in place."""

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from tgserve.server.distributed import split_evenly
+
 
 @dataclass(frozen=True)
 class KVCacheSpec:
@@ -86,10 +88,8 @@ def layer_sliding_windows(config: Any) -> list[int | None]:
 def kv_cache_specs(config: Any, dtype: torch.dtype, tensor_parallel_size: int = 1) -> list[KVCacheSpec]:
     """The cache every layer of this architecture needs, read off its HF config; with tensor
     parallelism, one shard's (its share of the KV heads)."""
-    kv_heads, dim = num_kv_heads(config), head_dim(config)
-    if kv_heads % tensor_parallel_size:
-        raise ValueError(f"{kv_heads} KV heads cannot be split evenly across {tensor_parallel_size} shards")
-    local = kv_heads // tensor_parallel_size
+    local = split_evenly(num_kv_heads(config), tensor_parallel_size, "KV heads")
+    dim = head_dim(config)
     return [KVCacheSpec(local, dim, dtype, window) for window in layer_sliding_windows(config)]
 
 
