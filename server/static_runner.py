@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from tgserve.server.attention.metadata import AttentionMetadata
 from tgserve.server.static_shapes import StaticShapes, StepShape
+from tgserve.server.transfer import to_device
 
 if TYPE_CHECKING:
     from tgserve.server.runner import StepInputs
@@ -58,14 +59,12 @@ class ShapeLog:
 
 def step_shape(shapes: StaticShapes, inputs: StepInputs) -> StepShape:
     meta = inputs.metadata
-    starts = meta.query_start_loc_cpu
-    fresh = all(n == b - a for n, a, b in zip(meta.seq_lens_cpu, starts[:-1], starts[1:], strict=True))
     return shapes.shape_for(
         inputs.input_ids.shape[0],
         meta.num_seqs,
         meta.block_tables.shape[1],
         inputs.logits_indices.shape[0],
-        fresh,
+        meta.is_fresh,
     )
 
 
@@ -89,8 +88,8 @@ def pad_metadata(meta: AttentionMetadata, shape: StepShape) -> AttentionMetadata
     tables[: meta.num_seqs, :width] = meta.block_tables[:, :width]
     return replace(
         meta,
-        query_start_loc=torch.tensor(starts, dtype=meta.query_start_loc.dtype).to(device, non_blocking=True),
-        seq_lens=torch.tensor(lens, dtype=meta.seq_lens.dtype).to(device, non_blocking=True),
+        query_start_loc=to_device(starts, meta.query_start_loc.dtype, device),
+        seq_lens=to_device(lens, meta.seq_lens.dtype, device),
         block_tables=tables,
         slot_mapping=_pad(meta.slot_mapping, shape.num_tokens, -1),
         query_start_loc_cpu=starts,

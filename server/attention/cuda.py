@@ -37,12 +37,7 @@ def cuda_step_plan(metadata: AttentionMetadata) -> CudaStepPlan:
         max_seq_len = metadata.max_seq_len
     if max_query_len == 1:
         kind = "decode"
-    elif all(
-        n == b - a
-        for n, a, b in zip(
-            metadata.seq_lens_cpu, metadata.query_start_loc_cpu, metadata.query_start_loc_cpu[1:]
-        )
-    ):
+    elif metadata.is_fresh:
         kind = "fresh"
     else:
         kind = "paged"

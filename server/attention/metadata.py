@@ -41,5 +41,11 @@ class AttentionMetadata:
         return max((b - a for a, b in zip(starts, starts[1:])), default=0)
 
     @property
+    def is_fresh(self) -> bool:
+        """No sequence has context before this step: each one's context is exactly its queries."""
+        starts = self.query_start_loc_cpu
+        return all(n == b - a for n, a, b in zip(self.seq_lens_cpu, starts, starts[1:]))
+
+    @property
     def max_seq_len(self) -> int:
         return max(self.seq_lens_cpu, default=0)
