@@ -70,6 +70,15 @@ class BucketConfig:
             raise ValueError(f"bucketing scheme must be 'linear' or 'exponential', got {self.scheme!r}")
 
 
+def token_buckets(config: BucketConfig, maximum: int) -> list[int]:
+    """Token counts padded to: multiples of `token_step` (linear) or powers of two from it
+    (exponential), up to `maximum`."""
+    smallest = min(config.token_step, maximum)
+    if config.scheme == "linear":
+        return linear_buckets(smallest, config.token_step, maximum)
+    return exponential_buckets(smallest, maximum)
+
+
 @dataclass(frozen=True)
 class StepShape:
     """The padded shape of one step: what a graph is compiled (or captured) for.
@@ -102,7 +111,6 @@ class StaticShapes:
         self.config = config
         self.max_blocks = -(-max_model_len // block_size)
         block_step = max(1, config.token_step // block_size)
-        min_tokens = min(config.token_step, max_num_batched_tokens)
         # A prefill shape has more tokens than sequences, so that no prefill shape is also a decode
         # shape (a backend may choose its path from the shape alone).
         if max_num_seqs >= max_num_batched_tokens:
@@ -114,12 +122,11 @@ class StaticShapes:
             self.decode_batch = linear_buckets(1, config.batch_step, max_num_seqs)
             self.decode_blocks = linear_buckets(1, block_step, self.max_blocks)
             self.prefill_seqs = linear_buckets(1, config.prefill_batch_step, max_num_seqs)
-            self.prefill_tokens = linear_buckets(min_tokens, config.token_step, max_num_batched_tokens)
         else:
             self.decode_batch = exponential_buckets(1, max_num_seqs)
             self.decode_blocks = exponential_buckets(1, self.max_blocks)
             self.prefill_seqs = exponential_buckets(1, max_num_seqs)
-            self.prefill_tokens = exponential_buckets(min_tokens, max_num_batched_tokens)
+        self.prefill_tokens = token_buckets(config, max_num_batched_tokens)
         # Fresh prompts (no cached context) need one block-table column; anything else the longest.
         self.prefill_blocks = sorted({1, self.max_blocks})
 

@@ -32,7 +32,7 @@ import torch
 from tqdm import tqdm
 
 from tgserve.server.static_runner import ShapeLog
-from tgserve.server.static_shapes import BucketConfig, bucket_for, exponential_buckets, linear_buckets
+from tgserve.server.static_shapes import BucketConfig, bucket_for, token_buckets
 
 from .cache_layouts import KV, CacheLayout
 from .static_cache import StaticCache
@@ -87,11 +87,7 @@ def _cache_argument(model: Any) -> str:
 def prompt_buckets(config: BucketConfig, max_len: int) -> list[int]:
     """The lengths prompts are left-padded to, up to the longest prompt a row of `max_len` holds
     (`max_len - 1`): multiples of `token_step` (linear) or powers of two from it (exponential)."""
-    longest = max_len - 1
-    smallest = min(config.token_step, longest)
-    if config.scheme == "linear":
-        return linear_buckets(smallest, config.token_step, longest)
-    return exponential_buckets(smallest, longest)
+    return token_buckets(config, max_len - 1)
 
 
 class StaticBatch(Generic[Row]):
