@@ -13,12 +13,14 @@ writes it (and a JSON of the numbers) under --out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -104,10 +106,19 @@ def run_engine(engine: LLMEngine, batch: list[list[int]], new_tokens: int) -> di
     }
 
 
-def kernel_profile(engine: LLMEngine, batch: list[list[int]], path: Path) -> None:
-    """The GPU kernels of a few steady decode steps, by total time, written to `path`."""
+@contextlib.contextmanager
+def profiled(path: Path, row_limit: int = 25) -> Iterator[None]:
+    """Profile the block's GPU and CPU work; write its kernels, by total GPU time, to `path`."""
     from torch.profiler import ProfilerActivity, profile
 
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        yield
+        torch.cuda.synchronize()
+    path.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=row_limit))
+
+
+def kernel_profile(engine: LLMEngine, batch: list[list[int]], path: Path) -> None:
+    """The GPU kernels of a few steady decode steps, by total time, written to `path`."""
     for i, prompt in enumerate(batch):
         engine.add_request(
             f"prof-{len(batch)}-{i}",
@@ -117,24 +128,17 @@ def kernel_profile(engine: LLMEngine, batch: list[list[int]], path: Path) -> Non
     engine.step()
     while engine.stats().step_num_tokens != len(batch):  # until every request is decoding
         engine.step()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profiled(path):
         for _ in range(5):
             engine.step()
-        torch.cuda.synchronize()
     while engine.has_unfinished_requests():
         engine.step()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
-    path.write_text(table)
 
 
 def prefill_profile(engine: LLMEngine, vocab: int, path: Path) -> None:
     """The GPU kernels of two full prefill steps (64 prompts of 512 tokens at a 16K budget)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profiled(path):
         run_engine(engine, prompts(64, 512, vocab, seed=7), 1)
-        torch.cuda.synchronize()
-    path.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
 
 
 def engine_section(args: argparse.Namespace, model_dir: Path) -> dict[str, float]:
@@ -204,14 +208,9 @@ def long_prompt_section(args: argparse.Namespace, model_dir: Path) -> dict[str, 
         long = prompts(1, args.long_prompt, engine.vocab_size, seed=10 + seed)
         results[f"c_ttft_{name}_s"] = run_engine(engine, long, 1)["prefill_s"]
     if args.profile_dir:  # the sparse prefill's kernels
-        from torch.profiler import ProfilerActivity, profile
-
         backend.sparse = sparse
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with profiled(args.profile_dir / "profile-long-sparse.txt", row_limit=30):
             run_engine(engine, prompts(1, args.long_prompt, engine.vocab_size, seed=20), 1)
-            torch.cuda.synchronize()
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
-        (args.profile_dir / "profile-long-sparse.txt").write_text(table)
     return results
 
 
