@@ -24,7 +24,7 @@ from tgserve.server.memory import MemoryProfile
 from tgserve.server.model_shard import build_shard
 from tgserve.server.outputs import EngineStats, RequestOutput, TokenLogprob
 from tgserve.server.runner import LaunchedStep, RunnerOutput
-from tgserve.server.sampling_params import InvalidRequestError, SamplingParams
+from tgserve.server.sampling_params import InvalidRequestError, SamplingParams, check_prompt_tokens
 from tgserve.server.shard_workers import WorkerWatch, free_tcp_address, shard_device, start_workers
 from tgserve.server.static_shapes import BucketConfig
 
@@ -207,13 +207,7 @@ class LLMEngine:
     def _validate(self, request_id: str, prompt: list[int]) -> None:
         if self.scheduler.get_request(request_id) is not None:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        if len(prompt) == 0:
-            raise InvalidRequestError("prompt is empty: at least one token is needed")
-        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequestError(
-                f"token id {bad} is outside the vocabulary (0 to {self.vocab_size - 1})"
-            )
+        check_prompt_tokens(prompt, self.vocab_size)
         if len(prompt) >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {len(prompt)} tokens but the model's context is {self.max_model_len} tokens: "

@@ -9,6 +9,15 @@ class InvalidRequestError(ValueError):
     """A request the engine refuses; the message names the problem and the limit."""
 
 
+def check_prompt_tokens(prompt: list[int], vocab_size: int) -> None:
+    """Raise InvalidRequestError for an empty prompt or a token id outside the vocabulary, naming it."""
+    if len(prompt) == 0:
+        raise InvalidRequestError("prompt is empty: at least one token is needed")
+    bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(f"token id {bad} is outside the vocabulary (0 to {vocab_size - 1})")
+
+
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise InvalidRequestError(message)

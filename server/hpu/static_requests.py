@@ -10,16 +10,12 @@ import torch
 from tgserve.server.core.request import Request
 from tgserve.server.outputs import RequestOutput, TokenLogprob
 from tgserve.server.sampler import SamplingRow, token_logprobs
-from tgserve.server.sampling_params import InvalidRequestError
+from tgserve.server.sampling_params import InvalidRequestError, check_prompt_tokens
 
 
 def validate_prompt(prompt: list[int], vocab_size: int, max_len: int) -> None:
     """Raise InvalidRequestError naming the limit a prompt breaks: empty, out of vocabulary, too long."""
-    if len(prompt) == 0:
-        raise InvalidRequestError("prompt is empty: at least one token is needed")
-    bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise InvalidRequestError(f"token id {bad} is outside the vocabulary (0 to {vocab_size - 1})")
+    check_prompt_tokens(prompt, vocab_size)
     if len(prompt) >= max_len:
         raise InvalidRequestError(
             f"prompt has {len(prompt)} tokens but the static cache holds {max_len} positions per "
