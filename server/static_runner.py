@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from tgserve.server.attention.metadata import AttentionMetadata
 from tgserve.server.static_shapes import StaticShapes, StepShape
+from tgserve.server.step_graphs import shape_host_lists
 from tgserve.server.transfer import to_device
 
 if TYPE_CHECKING:
@@ -114,13 +115,7 @@ def dummy_step(shape: StepShape, block_size: int, device: torch.device) -> tuple
     or a prefill step whose first sequence holds every token but one per other sequence (at least
     two: a prefill shape has more tokens than sequences)."""
     tokens, seqs = shape.num_tokens, shape.num_seqs
-    if shape.decode:
-        lens = [1] * seqs
-    else:
-        lens = [tokens - (seqs - 1), *[1] * (seqs - 1)]
-    starts = [0]
-    for n in lens:
-        starts.append(starts[-1] + n)
+    starts, lens = shape_host_lists(tokens, seqs)
     positions = torch.cat([torch.arange(n) for n in lens]).to(device)
     meta = AttentionMetadata(
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
