@@ -5,10 +5,12 @@ Twin: `reference.paged_attention` with one query per sequence.
 Grouped-query natively: a program owns one KV head of one sequence and all the query heads that
 share it (padded to 16 rows for tl.dot), so each key/value is read from HBM once per group, never
 repeated. Long contexts with few sequences are split along the context (flash-decoding): each
-split writes an unnormalised partial output plus its running max and sum, and a second small
-kernel merges them. The grid depends only on tensor shapes, so it can be captured in a CUDA graph;
-each sequence divides its own context among the splits, so a graph sized for long contexts still
-spreads a short one over many programs instead of leaving it to a few.
+split writes an unnormalised partial output plus its running max and sum, then counts itself in on
+a per-(sequence, KV head) counter; the split that arrives last merges them all and resets the
+counter. One launch, not two: a separate merge kernel cost about 2.7 us per layer at batch 1 on an
+H200. The grid depends only on tensor shapes, so it can be captured in a CUDA graph; each sequence
+divides its own context among the splits, so a graph sized for long contexts still spreads a short
+one over many programs instead of leaving it to a few.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ def _decode_kernel(
     out_ptr,
     part_o_ptr,
     part_ml_ptr,
+    counters_ptr,
     sm_scale,
     softcap,
     window,
@@ -52,6 +55,8 @@ def _decode_kernel(
     USE_WINDOW: tl.constexpr,
     SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    MERGE_ROWS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -97,10 +102,26 @@ def _decode_kernel(
                                     USE_SOFTCAP, PRECISION)  # fmt: skip
 
     if SPLIT:
-        slot = (seq * (group * tl.num_programs(1)) + heads) * num_splits + split
+        # Every split stores, an empty one (past a short context or before the window) included:
+        # m = -inf, l = 0, acc = 0 weigh nothing in the merge, and its count keeps the total exact.
+        seq_slot0 = seq * (group * tl.num_programs(1))
+        slot = (seq_slot0 + heads) * num_splits + split
         tl.store(part_o_ptr + slot[:, None] * BLOCK_D + dims[None, :], acc, mask=row_ok[:, None])
         tl.store(part_ml_ptr + slot * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + slot * 2 + 1, l_i, mask=row_ok)
+        # A scalar atomic is issued by one thread and releases only what that thread ordered: the
+        # barrier puts every thread's stores before it (Triton adds none; see triton-lang#6307).
+        # Its result reaches the other threads through shared memory behind a barrier, which
+        # carries the acquire over to their loads of the partials.
+        tl.debug_barrier()
+        counter = counters_ptr + seq * tl.num_programs(1) + kv_head
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_splits - 1:
+            _merge_splits(part_o_ptr, part_ml_ptr, out_ptr, seq, kv_head * group, seq_slot0, stride_os,
+                          stride_oh, group, head_dim, num_splits, BLOCK_S, BLOCK_D, MERGE_ROWS)  # fmt: skip
+            # Back to zero for the next launch (and every graph replay) without a memset kernel;
+            # nothing else touches this counter until this kernel has finished.
+            tl.store(counter, 0)
     else:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         out_ptrs = out_ptr + seq * stride_os + heads[:, None] * stride_oh + dims[None, :]
@@ -108,35 +129,79 @@ def _decode_kernel(
 
 
 @triton.jit
-def _merge_kernel(
+def _merge_splits(
     part_o_ptr,
     part_ml_ptr,
     out_ptr,
+    seq,
+    head0,
+    seq_slot0,
     stride_os,
     stride_oh,
-    num_heads,
+    group,
     head_dim,
     num_splits,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    MERGE_ROWS: tl.constexpr,
 ):
-    """Combine the splits of one (sequence, head): weights 2^(m_s - max) rescale each partial."""
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
+    """Combine the splits of a group's query heads: weights 2^(m_s - max) rescale each partial.
+
+    MERGE_ROWS heads at a time, all their splits in one load, so the merge costs a few L2 round
+    trips rather than one per split. Loads are .cg: the partials were written by other SMs, and
+    L1 is not coherent with them.
+    """
+    rows = tl.arange(0, MERGE_ROWS)
     splits = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, BLOCK_D)
-    ok = splits < num_splits
-    slot = (seq * num_heads + head) * num_splits + splits
-    m = tl.load(part_ml_ptr + slot * 2, mask=ok, other=float("-inf"))
-    ll = tl.load(part_ml_ptr + slot * 2 + 1, mask=ok, other=0.0)
-    o = tl.load(part_o_ptr + slot[:, None] * BLOCK_D + dims[None, :], mask=ok[:, None], other=0.0)
-    m_max = tl.max(m, 0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.exp2(m - m_max)
-    total = tl.sum(w * ll, 0)
-    out = tl.sum(o * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    out_ptrs = out_ptr + seq * stride_os + head * stride_oh + dims
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
+    for r0 in range(0, group, MERGE_ROWS):
+        head = head0 + r0 + rows
+        ok = (r0 + rows < group)[:, None] & (splits < num_splits)[None, :]
+        slot = (seq_slot0 + head[:, None]) * num_splits + splits[None, :]
+        m = tl.load(part_ml_ptr + slot * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        ll = tl.load(part_ml_ptr + slot * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
+        o_ptrs = part_o_ptr + slot[:, :, None] * BLOCK_D + dims[None, None, :]
+        o = tl.load(o_ptrs, mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
+        m_max = tl.max(m, 1)
+        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+        w = tl.exp2(m - m_max[:, None])
+        total = tl.sum(w * ll, 1)
+        out = tl.sum(o * w[:, :, None], 1) / tl.where(total == 0.0, 1.0, total)[:, None]
+        out_ptrs = out_ptr + seq * stride_os + head[:, None] * stride_oh + dims[None, :]
+        out_mask = (r0 + rows < group)[:, None] & (dims < head_dim)[None, :]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+# The split kernel's arrival counters: one int32 per (sequence, KV head), zero between launches.
+# Allocated once per device and kept, so a CUDA graph captures a fixed address. Sizing: splits are
+# only chosen (choose_splits) when num_seqs * num_kv_heads is below two programs per SM, under 300
+# slots on an H200, so 8192 slots (32 KiB) cover every automatic launch and a forced num_splits up
+# to, say, 256 sequences of 32 KV heads; a larger forced launch grows the buffer eagerly, and
+# DecodeGraphs runs each batch size eagerly before capturing it, so capture finds it sized.
+# Launches share these counters: correct because decode runs on one stream per device and two
+# launches never overlap; kernels run concurrently on several streams would need buffers of their own.
+_MIN_COUNTER_SLOTS = 8192
+_counters: dict[torch.device, torch.Tensor] = {}
+# Buffers replaced by a larger one stay alive: graphs captured before the growth still use them.
+_retired_counters: list[torch.Tensor] = []
+
+
+def split_counters(device: torch.device, slots: int) -> torch.Tensor:
+    """The device's zeroed arrival counters, at least `slots` long (never allocated during capture)."""
+    buf = _counters.get(device)
+    if buf is not None and buf.numel() >= slots:
+        return buf
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        have = 0 if buf is None else buf.numel()
+        raise RuntimeError(
+            f"paged_decode needs {slots} split counters on {device} but has {have}, and cannot allocate "
+            "them while a CUDA graph is being captured: run the same launch eagerly before capturing"
+        )
+    if buf is not None:
+        _retired_counters.append(buf)
+    size = max(slots, _MIN_COUNTER_SLOTS, 0 if buf is None else 2 * buf.numel())
+    _counters[device] = torch.zeros(size, dtype=torch.int32, device=device)
+    return _counters[device]
 
 
 def choose_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_n: int) -> int:
@@ -177,12 +242,16 @@ def paged_decode(
     max_context = max_seq_len or block_tables.shape[1] * block_size
     splits = num_splits or choose_splits(num_seqs, num_kv_heads, max_context, block_n)
     block_d = triton.next_power_of_2(head_dim)
-    part_o = part_ml = out  # unused placeholders when there is a single split
+    # Unused placeholders when there is a single split (and constexprs that compile no variants).
+    part_o, part_ml, counters, block_s, merge_rows = out, out, seq_lens, 1, 1
     if splits > 1:
         part_o = torch.empty(num_seqs * num_heads * splits, block_d, dtype=torch.float32, device=query.device)
         part_ml = torch.empty(num_seqs * num_heads * splits, 2, dtype=torch.float32, device=query.device)
+        counters = split_counters(query.device, num_seqs * num_kv_heads)
+        block_s = triton.next_power_of_2(splits)
+        merge_rows = _merge_rows(group, block_s, block_d)
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
-        query, kv_cache[0], kv_cache[1], block_tables, seq_lens, out, part_o, part_ml,
+        query, kv_cache[0], kv_cache[1], block_tables, seq_lens, out, part_o, part_ml, counters,
         scale, softcap or 0.0, sliding_window or 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
@@ -190,10 +259,12 @@ def paged_decode(
         BLOCK_SIZE=block_size, BLOCK_G=pow2(group), BLOCK_D=block_d, BLOCK_N=block_n,
         USE_SOFTCAP=softcap is not None, USE_WINDOW=sliding_window is not None,
         SPLIT=splits > 1, PRECISION=dot_precision(query.dtype),
+        BLOCK_S=block_s, MERGE_ROWS=merge_rows,
     )  # fmt: skip
-    if splits > 1:
-        _merge_kernel[(num_seqs, num_heads)](
-            part_o, part_ml, out, out.stride(0), out.stride(1), num_heads, head_dim, splits,
-            BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
-        )  # fmt: skip
     return out
+
+
+def _merge_rows(group: int, block_s: int, block_d: int) -> int:
+    """Heads merged per step: as many as keep the partials tile at 8192 floats (64 registers a
+    thread at 4 warps, what the old merge kernel held at 64 splits of 128 dims)."""
+    return min(triton.next_power_of_2(group), max(1, 8192 // (block_s * block_d)))

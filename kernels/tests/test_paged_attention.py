@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tgserve.kernels import reference
-from tgserve.kernels.paged_decode import paged_decode
+from tgserve.kernels.paged_decode import paged_decode, split_counters
 from tgserve.kernels.paged_prefill import paged_prefill, varlen_prefill
 from tgserve.kernels.testing import make_paged_batch, max_abs_err
 
@@ -146,6 +146,69 @@ def test_decode_with_an_underestimated_max_seq_len(device):
     got = paged_decode(batch.query, batch.kv_cache, batch.block_tables, batch.seq_lens, 0.3, max_seq_len=20,
                        num_splits=2)  # fmt: skip
     _check(got, want, torch.float32)
+
+
+def _reference(batch, scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    return reference.paged_attention(batch.query.cpu(), batch.kv_cache.cpu(), batch.block_tables.cpu(),
+                                     batch.query_start_loc.cpu(), batch.seq_lens.cpu(), scale, window,
+                                     softcap)  # fmt: skip
+
+
+def _split_decode(batch, scale: float, splits: int, window: int | None = None, softcap: float | None = None):
+    """The split path forced (the interpreter's choose_splits picks 1), into a NaN-poisoned output:
+    a group whose last split never merged leaves NaN behind."""
+    out = torch.full_like(batch.query, float("nan"))
+    paged_decode(batch.query, batch.kv_cache, batch.block_tables, batch.seq_lens, scale, window, softcap,
+                 out=out, num_splits=splits)  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("splits", [2, 5, 8])
+def test_decode_last_split_merges(device, dtype, heads, splits):
+    """The split that arrives last merges the group. Under the interpreter's 16-token tiles the 1-
+    and 9-token contexts fill split 0 alone and 40 fills three: the empty splits must still count."""
+    batch = make_paged_batch([1] * 4, [1, 9, 40, 70], *heads, 32, 8, dtype, device, seed=11)
+    _check(_split_decode(batch, 0.3, splits), _reference(batch, 0.3), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads", [(8, 2), (16, 2), (8, 1)])
+@pytest.mark.parametrize("window,softcap", [(5, None), (24, 2.0)])
+def test_decode_splits_with_sliding_window(device, dtype, heads, window, softcap):
+    """Splits wholly before the window do no work but still store an empty partial and count in."""
+    batch = make_paged_batch([1] * 3, [3, 30, 64], *heads, 32, 16, dtype, device, seed=12)
+    got = _split_decode(batch, 0.2, 4, window, softcap)
+    _check(got, _reference(batch, 0.2, window, softcap), dtype)
+
+
+@pytest.mark.parametrize("heads,head_dim,splits", [((16, 2), 128, 16), ((6, 2), 256, 16), ((6, 2), 32, 3)])
+def test_decode_split_merge_in_row_steps(device, heads, head_dim, splits):
+    """The merge takes a group's heads a few at a time when all their splits would overflow one
+    tile (8 heads in two steps; 3 heads in steps of two), and pads a group of 3 to 4 rows."""
+    batch = make_paged_batch([1, 1], [20, 100], *heads, head_dim, 16, torch.float32, device, seed=13)
+    _check(_split_decode(batch, head_dim**-0.5, splits), _reference(batch, head_dim**-0.5), torch.float32)
+
+
+def test_split_counters_are_zero_after_each_launch(device):
+    """The last split resets its counter, so the next launch, with the same or another split
+    count and batch, counts from zero as a CUDA-graph replay does (no memset in between)."""
+    first = make_paged_batch([1] * 3, [5, 33, 60], 8, 2, 32, 8, torch.float32, device, seed=14)
+    second = make_paged_batch([1] * 2, [48, 2], 8, 2, 32, 8, torch.float32, device, seed=15)
+    for batch, splits in [(first, 4), (first, 4), (second, 3), (first, 7), (first, 4)]:
+        _check(_split_decode(batch, 0.3, splits), _reference(batch, 0.3), torch.float32)
+        assert not split_counters(torch.device(device), 1).any()
+
+
+def test_split_counters_grow_with_the_launch():
+    """At least 8192 slots from the start; a launch needing more gets a larger zeroed buffer."""
+    cpu = torch.device("cpu")
+    first = split_counters(cpu, 1)
+    assert first.numel() >= 8192 and first.dtype == torch.int32 and not first.any()
+    grown = split_counters(cpu, first.numel() + 1)
+    assert grown.numel() > first.numel() and not grown.any()
+    assert split_counters(cpu, 1) is grown
 
 
 @pytest.mark.parametrize("head_dim", [128, 256])
