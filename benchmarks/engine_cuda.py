@@ -128,7 +128,7 @@ def kernel_profile(engine: LLMEngine, batch: list[list[int]], path: Path) -> Non
     engine.step()
     while engine.stats().step_num_tokens != len(batch):  # until every request is decoding
         engine.step()
-    with profiled(path):
+    with profiled(path, row_limit=45):
         for _ in range(5):
             engine.step()
     while engine.has_unfinished_requests():

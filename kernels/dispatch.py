@@ -9,6 +9,8 @@ TRITON_INTERPRET before the first @triton.jit, stays unaffected).
     fresh_prefill     prompts with no cached prefix: dense (library kernel) or sparse when long
     rms_norm, fused_add_rms_norm, rotary, silu_and_mul
                       a decoder layer's elementwise glue, one fused kernel each on CUDA
+    argmax            greedy decoding's pick per row (two short launches instead of torch's one
+                      block per row)
 """
 
 from __future__ import annotations
@@ -246,3 +248,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
         return triton_silu_and_mul(gate_up)
     return reference.silu_and_mul(gate_up)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """int64 [rows]: the first index of each row's maximum of x [rows, width]."""
+    if use_triton(x) and x.dim() == 2 and x.shape[-1] > 0:
+        from tgserve.kernels.argmax import argmax_rows
+
+        return argmax_rows(x)
+    return x.argmax(dim=-1)

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tgserve.kernels import dispatch
 from tgserve.server.outputs import TokenLogprob
 from tgserve.server.sampling_params import SamplingParams
 from tgserve.server.transfer import pinned_to, to_device
@@ -268,11 +269,11 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """logits: [B, V], any float dtype; rows: B rows in the same order."""
         if all(_only_argmax(r.params) for r in rows):
-            return SamplerOutput(logits.argmax(dim=-1), [], None)
+            return SamplerOutput(dispatch.argmax(logits), [], None)
         # A copy, because .float() of float32 logits would alias (and let us mutate) the caller's tensor.
         x = logits.to(torch.float32, copy=True)
         x = apply_penalties(apply_logit_bias(x, rows), rows)
-        token_ids = x.argmax(dim=-1)
+        token_ids = dispatch.argmax(x)
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         if len(sampled) == len(rows):
             token_ids = self._sample(x, rows)
