@@ -9,6 +9,7 @@ TRITON_INTERPRET before the first @triton.jit, stays unaffected).
     fresh_prefill     prompts with no cached prefix: dense (library kernel) or sparse when long
     rms_norm, fused_add_rms_norm, rotary, silu_and_mul
                       a decoder layer's elementwise glue, one fused kernel each on CUDA
+    linear            a projection: cuBLAS, or for one row and a small weight the skinny kernel
     argmax            greedy decoding's pick per row (two short launches instead of torch's one
                       block per row)
 """
@@ -248,6 +249,29 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
         return triton_silu_and_mul(gate_up)
     return reference.silu_and_mul(gate_up)
+
+
+# One row through a weight of at most this many elements: where cuBLAS splits K and launches a
+# reduction, and the skinny kernel measured faster on an H200 (o_proj of an 8B model: 11.4 against
+# 13.4 us; 3072 x 4096: 9.7 against 11.7). Larger weights, or two rows, stay cuBLAS's
+# (kernels/bench/bench_gemv.py; docs/benchmarks/2026-11-29-decode-launches-h200.md).
+SKINNY_MAX_WEIGHT = 4096 * 4096
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T + bias, as F.linear."""
+    if (
+        use_triton(x)
+        and x.dim() == 2
+        and x.shape[0] == 1
+        and weight.numel() <= SKINNY_MAX_WEIGHT
+        and x.stride(-1) == 1
+        and weight.stride(-1) == 1
+    ):
+        from tgserve.kernels.gemv import skinny_linear
+
+        return skinny_linear(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tgserve.kernels import dispatch
 from tgserve.server.distributed import TensorParallel, tensor_parallel
 
 
@@ -48,7 +49,7 @@ class ColumnParallelLinear(nn.Module):
         param.data[offset : offset + size].copy_(mine)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return dispatch.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -69,8 +70,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+            return dispatch.linear(x, self.weight, self.bias)
+        out = self.tp.all_reduce(dispatch.linear(x, self.weight))
         return out if self.bias is None else out + self.bias
 
 
