@@ -169,14 +169,17 @@ class Scheduler:
         )
 
     def _schedule_running(self, plan: _StepPlan) -> None:
+        # Requests whose tokens in flight finish them compute nothing more: their blocks serve the
+        # others from this step on (the step still writing them runs before any step that reuses
+        # them), before anyone is preempted for want of blocks.
+        for request in self.running:
+            if self._may_finish_on_pending(request):
+                self.block_manager.free(request)
         i = 0
         while i < len(self.running) and plan.budget > 0:
             request = self.running[i]
             i += 1
             if self._may_finish_on_pending(request):
-                # Nothing more is computed for it, so its blocks can serve others now: the step still
-                # writing them runs before any step that reuses them.
-                self.block_manager.free(request)
                 continue
             num_new = min(
                 request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
@@ -199,13 +202,18 @@ class Scheduler:
     def _allocate_or_preempt(self, request: Request, num_new: int, plan: _StepPlan) -> list[int] | None:
         """Blocks for `request`, preempting the newest running requests until they fit.
 
+        A request finishing on its tokens in flight holds no blocks, so preempting it would free
+        nothing: victims are the newest of the others (`request` itself at the latest).
         Returns None when `request` itself had to be preempted.
         """
         while True:
             new_blocks = self.block_manager.allocate_slots(request, num_new)
             if new_blocks is not None:
                 return new_blocks
-            victim = self.running.pop()
+            newest = len(self.running) - 1
+            while self._may_finish_on_pending(self.running[newest]):
+                newest -= 1
+            victim = self.running.pop(newest)
             self._preempt(victim)
             plan.preempted.add(victim.request_id)
             if victim is request:

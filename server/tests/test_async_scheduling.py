@@ -118,3 +118,18 @@ def test_a_request_preempted_with_a_token_in_flight_keeps_it() -> None:
     assert a.output_token_ids == reference(a.prompt_token_ids, 8)
     assert b.output_token_ids == reference(b.prompt_token_ids, 8)
     assert next_token(b.all_token_ids[:-1]) == b.output_token_ids[-1]
+
+
+def test_a_request_finishing_on_its_token_in_flight_is_never_a_preemption_victim() -> None:
+    # b (the newest) will finish on the token being sampled while a needs a fourth block of a
+    # three-block pool: b's blocks go to a; preempting b instead would free nothing more, count a
+    # preemption and stall admission for the step.
+    sched, runner = setup(num_blocks=3, max_num_batched_tokens=16)
+    a, b = make("a", [1, 2, 3], max_new_tokens=8), make("b", [50, 51, 52, 53, 54], max_new_tokens=2)
+    sched.add_request(a)
+    sched.add_request(b)
+    LaggingLoop(sched, runner).run()
+    assert sched.num_preemptions == 0 and b.num_preemptions == 0
+    assert a.output_token_ids == reference(a.prompt_token_ids, 8)
+    assert b.output_token_ids == reference(b.prompt_token_ids, 2)
+    assert sched.block_manager.num_free_blocks == 3
