@@ -258,16 +258,20 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 SKINNY_MAX_WEIGHT = 4096 * 4096
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T + bias, as F.linear."""
-    if (
-        use_triton(x)
-        and x.dim() == 2
+def takes_skinny_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """One row of unit-stride activations through a small weight (device aside)."""
+    return (
+        x.dim() == 2
         and x.shape[0] == 1
         and weight.numel() <= SKINNY_MAX_WEIGHT
         and x.stride(-1) == 1
         and weight.stride(-1) == 1
-    ):
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T + bias, as F.linear."""
+    if use_triton(x) and takes_skinny_path(x, weight):
         from tgserve.kernels.gemv import skinny_linear
 
         return skinny_linear(x, weight, bias)
