@@ -26,7 +26,7 @@ from tgserve.server.outputs import EngineStats, RequestOutput, TokenLogprob
 from tgserve.server.runner import LaunchedStep, RunnerOutput
 from tgserve.server.sampling_params import InvalidRequestError, SamplingParams, check_prompt_tokens
 from tgserve.server.shard_workers import WorkerWatch, free_tcp_address, shard_device, start_workers
-from tgserve.server.static_shapes import BucketConfig
+from tgserve.server.static_shapes.buckets import BucketConfig
 
 logger = logging.getLogger(__name__)
 

@@ -58,7 +58,7 @@ def build_engine(engine_args: dict[str, Any]) -> Any:
             f"this engine does not support {', '.join(unsupported)} (asked for by the launcher's flags)"
         )
     if isinstance(engine_args.get("buckets"), dict):  # the launcher sends plain JSON
-        from tgserve.server.static_shapes import BucketConfig
+        from tgserve.server.static_shapes.buckets import BucketConfig
 
         engine_args = {**engine_args, "buckets": BucketConfig(**engine_args["buckets"])}
     return create_engine(EngineArgs(**engine_args))

@@ -22,9 +22,9 @@ from tgserve.server.loader import ModelSource
 from tgserve.server.memory import MemoryProfile, profile_kv_budget
 from tgserve.server.model_loader import load_model
 from tgserve.server.runner import ModelRunner
-from tgserve.server.static_runner import warm_up
-from tgserve.server.static_shapes import StaticShapes
-from tgserve.server.step_graphs import StepGraphs, StepModule
+from tgserve.server.static_shapes.buckets import StaticShapes
+from tgserve.server.static_shapes.graphs import StepGraphs, StepModule
+from tgserve.server.static_shapes.padding import warm_up
 
 if TYPE_CHECKING:
     from tgserve.server.engine import EngineArgs, ModelDescription

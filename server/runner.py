@@ -27,9 +27,9 @@ from tgserve.server.kv_cache import KVCacheSpec
 from tgserve.server.outputs import TokenLogprob
 from tgserve.server.sampler import LogprobTensors, Sampler, SamplingRow, logprob_tensors
 from tgserve.server.sampling_params import SamplingParams
-from tgserve.server.static_runner import ShapeLog, pad_step, step_shape
-from tgserve.server.static_shapes import StaticShapes, StepShape
-from tgserve.server.step_graphs import StepGraphs
+from tgserve.server.static_shapes.buckets import StaticShapes, StepShape
+from tgserve.server.static_shapes.graphs import StepGraphs
+from tgserve.server.static_shapes.padding import ShapeLog, pad_step, step_shape
 from tgserve.server.transfer import HostCopies, pinned_to, to_device
 
 # A sampled token whose value is still on the device.

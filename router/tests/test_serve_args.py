@@ -65,7 +65,7 @@ def test_hub_cache_reaches_the_engine_environment():
 
 
 def test_tgi_gaudi_bucketing_variables_reach_the_engine_as_a_bucket_config():
-    from tgserve.server.static_shapes import BucketConfig
+    from tgserve.server.static_shapes.buckets import BucketConfig
 
     assert "static_shapes" not in serve_args.engine_args(parse([]))  # the engine decides: on HPUs only
     env = {"BATCH_BUCKET_SIZE": "16", "PAD_SEQUENCE_TO_MULTIPLE_OF": "256", "WARMUP_ENABLED": "false"}

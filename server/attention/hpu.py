@@ -21,7 +21,7 @@ Keys and values are written with `index_copy_` along the flattened slots. It can
 so padding rows write to the scratch slot (`kv_cache.scratch_slot`, in the pool's last block, which
 the block manager never hands out: the pool is `scratch_blocks` larger than its count).
 
-Padding (as `tgserve.server.static_runner` pads): rows past query_start_loc[-1] belong to no sequence
+Padding (as `tgserve.server.static_shapes.padding` pads): rows past query_start_loc[-1] belong to no sequence
 and attend only to one another; padding sequences hold one token of a one-token context (decode) or
 none. Padding rows' outputs are unspecified but finite: every row may attend to itself at least.
 """

@@ -31,8 +31,8 @@ from typing import Any, Generic, TypeVar
 import torch
 from tqdm import tqdm
 
-from tgserve.server.static_runner import ShapeLog
-from tgserve.server.static_shapes import BucketConfig, bucket_for, token_buckets
+from tgserve.server.static_shapes.buckets import BucketConfig, bucket_for, token_buckets
+from tgserve.server.static_shapes.padding import ShapeLog
 
 from .cache_layouts import KV, CacheLayout
 from .static_cache import StaticCache

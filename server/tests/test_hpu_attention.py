@@ -32,7 +32,7 @@ from tgserve.server.engine import EngineArgs, LLMEngine
 from tgserve.server.hpu import ops
 from tgserve.server.hpu.testing import TorchStandInOps
 from tgserve.server.kv_cache import KVCacheSpec
-from tgserve.server.static_shapes import BucketConfig
+from tgserve.server.static_shapes.buckets import BucketConfig
 from tgserve.server.testing.fixtures import fixture_path
 
 from .parity import build_requests, run_engine
@@ -69,7 +69,7 @@ def make_step(
     contexts: list[int],
     q_lens: list[int],
     heads: tuple[int, int],
-    pad_seqs: int = 0,  # padding sequences, as static_runner pads: one token of a one-token context
+    pad_seqs: int = 0,  # padding sequences, as static_shapes.padding pads: one token of a one-token context
     # (decode steps) or no token and no context (other steps)
     trailing: int = 0,  # rows past the last sequence
     width: int | str | None = None,  # block-table columns: a number, "context" (only the blocks cached

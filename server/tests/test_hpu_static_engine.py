@@ -37,8 +37,8 @@ from tgserve.server.hpu.static_engine import StaticBatchEngine
 from tgserve.server.llm import LLM
 from tgserve.server.outputs import RequestOutput
 from tgserve.server.sampling_params import InvalidRequestError, SamplingParams
-from tgserve.server.static_runner import ShapeLog
-from tgserve.server.static_shapes import BucketConfig
+from tgserve.server.static_shapes.buckets import BucketConfig
+from tgserve.server.static_shapes.padding import ShapeLog
 from tgserve.server.testing.fixtures import CHECK_PROMPTS, fixture_path, single_threaded_torch
 
 from .parity import reference_greedy

@@ -13,8 +13,8 @@ import torch
 
 from tgserve.server.engine import EngineArgs, LLMEngine
 from tgserve.server.sampling_params import SamplingParams
-from tgserve.server.static_runner import pad_step, step_shape
-from tgserve.server.static_shapes import BucketConfig, StaticShapes
+from tgserve.server.static_shapes.buckets import BucketConfig, StaticShapes
+from tgserve.server.static_shapes.padding import pad_step, step_shape
 from tgserve.server.testing.fixtures import FIXTURE_ARCHITECTURES, fixture_path
 
 from .parity import build_requests, run_engine

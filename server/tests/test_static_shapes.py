@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tgserve.server.static_shapes import (
+from tgserve.server.static_shapes.buckets import (
     BucketConfig,
     StaticShapes,
     StepShape,

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from tgserve.server.attention.metadata import AttentionMetadata
-from tgserve.server.static_shapes import StepShape
+from tgserve.server.static_shapes.buckets import StepShape
 
 Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor], torch.Tensor]
 

@@ -23,8 +23,8 @@ import torch
 from tqdm import tqdm
 
 from tgserve.server.attention.metadata import AttentionMetadata
-from tgserve.server.static_shapes import StaticShapes, StepShape
-from tgserve.server.step_graphs import shape_host_lists
+from tgserve.server.static_shapes.buckets import StaticShapes, StepShape
+from tgserve.server.static_shapes.graphs import shape_host_lists
 from tgserve.server.transfer import to_device
 
 if TYPE_CHECKING:
