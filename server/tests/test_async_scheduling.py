@@ -8,13 +8,19 @@ prefix caching as the synchronous loop.
 
 from __future__ import annotations
 
-import random
-
 from tgserve.server.core.request import FinishReason, Request
 from tgserve.server.core.scheduler import Scheduler
 from tgserve.server.core.scheduler_output import SchedulerOutput
 
-from .test_scheduler import FakeRunner, check_invariants, make, next_token, reference, setup
+from .test_scheduler import (
+    FakeRunner,
+    check_invariants,
+    drive_random_load,
+    make,
+    next_token,
+    reference,
+    setup,
+)
 
 
 class LaggingLoop:
@@ -78,25 +84,9 @@ def test_a_stop_token_learnt_late_costs_one_dropped_step() -> None:
 def test_random_load_with_stops_preemptions_and_aborts_matches_requests_alone() -> None:
     sched, runner = setup(num_blocks=16, max_num_batched_tokens=20, max_num_seqs=6)
     loop = LaggingLoop(sched, runner)
-    rng = random.Random(7)
-    prefixes = [[rng.randrange(1000) for _ in range(rng.randrange(4, 14))] for _ in range(3)]
     stop_tokens = frozenset(range(10, 40))  # about 6% of next_token's outputs
-    expected, requests, aborted = {}, [], set()
-    for i in range(80):
-        if i < 50 and rng.random() < 0.7:
-            prompt = rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randrange(1, 10))]
-            eos = stop_tokens if rng.random() < 0.5 else frozenset()
-            request = make(f"r{i}", prompt, max_new_tokens=rng.randrange(1, 24), eos=eos)
-            tokens = reference(prompt, request.sampling_params.max_new_tokens)
-            stop = next((j for j, t in enumerate(tokens) if t in eos), len(tokens) - 1)
-            expected[request.request_id] = tokens[: stop + 1]
-            requests.append(request)
-            sched.add_request(request)
-        if sched.running and rng.random() < 0.05:
-            victim = rng.choice(sched.running).request_id
-            aborted.add(victim)
-            sched.abort_requests([victim])
-        loop.step()
+    load = drive_random_load(sched, loop.step, seed=7, rounds=80, admit_until=50, stop_tokens=stop_tokens)
+    expected, requests, aborted = load.expected, load.requests, load.aborted
     loop.run()
     assert sched.num_preemptions > 0 and sched.block_manager.prefix_cache_hits > 0 and aborted
     assert any(r.finish_reason == FinishReason.EOS_TOKEN for r in requests)

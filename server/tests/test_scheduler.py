@@ -435,23 +435,48 @@ def test_a_missing_sample_is_an_error() -> None:
         sched.update_from_output(sched.schedule(), {})
 
 
-def test_random_load_with_shared_prefixes_preemptions_and_aborts() -> None:
-    sched, runner = setup(num_blocks=16, max_num_batched_tokens=20, max_num_seqs=6)
-    rng = random.Random(1)
+@dataclass
+class RandomLoad:
+    expected: dict[str, list[int]]  # each request's tokens generated alone (up to its stop token)
+    requests: list[Request]
+    aborted: set[str]
+
+
+def drive_random_load(
+    sched: Scheduler,
+    step_once: Callable[[], object],
+    seed: int,
+    rounds: int,
+    admit_until: int,
+    stop_tokens: frozenset[int] = frozenset(),
+) -> RandomLoad:
+    """Requests over three shared prefixes arrive at random in the first `admit_until` rounds (half
+    of them stopping on `stop_tokens`, if any), a few running ones are aborted, one step a round."""
+    rng = random.Random(seed)
     prefixes = [[rng.randrange(1000) for _ in range(rng.randrange(4, 14))] for _ in range(3)]
-    expected, requests, aborted = {}, [], set()
-    for i in range(60):
-        if i < 40 and rng.random() < 0.7:
+    load = RandomLoad({}, [], set())
+    for i in range(rounds):
+        if i < admit_until and rng.random() < 0.7:
             prompt = rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randrange(1, 10))]
-            request = make(f"r{i}", prompt, max_new_tokens=rng.randrange(1, 24))
-            expected[request.request_id] = reference(prompt, request.sampling_params.max_new_tokens)
-            requests.append(request)
+            eos = stop_tokens if stop_tokens and rng.random() < 0.5 else frozenset()
+            request = make(f"r{i}", prompt, max_new_tokens=rng.randrange(1, 24), eos=eos)
+            tokens = reference(prompt, request.sampling_params.max_new_tokens)
+            stop = next((j for j, t in enumerate(tokens) if t in eos), len(tokens) - 1)
+            load.expected[request.request_id] = tokens[: stop + 1]
+            load.requests.append(request)
             sched.add_request(request)
         if sched.running and rng.random() < 0.05:
             victim = rng.choice(sched.running).request_id
-            aborted.add(victim)
+            load.aborted.add(victim)
             sched.abort_requests([victim])
-        step(sched, runner)
+        step_once()
+    return load
+
+
+def test_random_load_with_shared_prefixes_preemptions_and_aborts() -> None:
+    sched, runner = setup(num_blocks=16, max_num_batched_tokens=20, max_num_seqs=6)
+    load = drive_random_load(sched, lambda: step(sched, runner), seed=1, rounds=60, admit_until=40)
+    expected, requests, aborted = load.expected, load.requests, load.aborted
     run(sched, runner)
     assert sched.num_preemptions > 0 and sched.block_manager.prefix_cache_hits > 0 and aborted
     for request in requests:
