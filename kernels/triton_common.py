@@ -28,17 +28,22 @@ def attend_tile(
     softcap,
     USE_SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,
+    MASKED: tl.constexpr = True,
 ):
     """One flash-attention step: fold the keys/values of a tile into the running (acc, max, sum).
 
     Scores are kept in base 2 (exp2 is the native instruction); m_i is the running max in that
     base. Rows that have seen no allowed key keep m_i = -inf, and the `m_safe` trick keeps them
-    NaN-free so they end with acc = 0, l = 0.
+    NaN-free so they end with acc = 0, l = 0. MASKED=False: every key of the tile is allowed to
+    every row (`mask` is ignored), which saves a select per score.
     """
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if USE_SOFTCAP:
-        s = softcap * tanh(s / softcap)
-    s = tl.where(mask, s * 1.4426950408889634, float("-inf"))
+        s = softcap * tanh(s * sm_scale / softcap) * 1.4426950408889634
+    else:
+        s = s * (sm_scale * 1.4426950408889634)  # one multiply per score
+    if MASKED:
+        s = tl.where(mask, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)

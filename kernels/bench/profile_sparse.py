@@ -58,11 +58,11 @@ def stages(n: int, iters: int, sweep: bool) -> dict[str, float]:
     )
     row["kernel"] = t(lambda: kernel.sparse_attention_kernel(q, k, v, index, scale))
     if sweep:
-        for launch in ({"num_warps": 4, "num_stages": 2}, {"num_warps": 8, "num_stages": 2},
-                       {"num_warps": 8, "num_stages": 3}):  # fmt: skip
+        saved = dict(kernel.LAUNCH)
+        for launch in ({"num_stages": 3}, {"num_stages": 1}, {"num_warps": 8}):
             kernel.LAUNCH.update(launch)
             row[f"kernel {launch}"] = t(lambda: kernel.sparse_attention_kernel(q, k, v, index, scale))
-        kernel.LAUNCH.update({"num_warps": 4, "num_stages": 3})
+            kernel.LAUNCH.update(saved)
         saved = dict(pooled.LAUNCH)
         for launch in ({"block_r": 128, "num_warps": 8}, {"block_r": 64, "num_warps": 4},
                        {"block_r": 128, "num_warps": 8, "num_stages": 4}):  # fmt: skip

@@ -117,6 +117,39 @@ def build_index(
     )
 
 
+@dataclass
+class DiagonalRuns:
+    """An index's block diagonals as runs of consecutive offsets, the walk the kernel takes.
+
+    A run of offsets a..b (a >= 1) reaches, from query block q, the contiguous key blocks
+    max(q - b, 0) .. q - a: wholly before the query block, so the kernel walks them without a mask
+    and with addresses that advance by one block a step. Offset 0, the diagonal block, is not in a
+    run: it is the one block that needs the causal mask.
+    """
+
+    first: torch.Tensor  # int32 [H, Q]: each run's first offset a, ascending, padded with Q
+    last: torch.Tensor  # int32 [H, Q]: each run's last offset b, padded with Q
+    count: torch.Tensor  # int32 [H, Q]: runs that reach a key block from query block q (a <= q)
+
+
+def diagonal_runs(diag_cover: torch.Tensor) -> DiagonalRuns:
+    """The runs of every head's selected block diagonals (cover [H, Q]), without host sync."""
+    heads, nq = diag_cover.shape
+    d = torch.arange(nq, device=diag_cover.device)
+    rest = diag_cover.bool().clone()
+    rest[:, 0] = False
+    before = torch.nn.functional.pad(rest[:, :-1], (1, 0))  # rest[d - 1]
+    after = torch.nn.functional.pad(rest[:, 1:], (0, 1))  # rest[d + 1]
+
+    def ascending(selected: torch.Tensor) -> torch.Tensor:
+        return torch.where(selected, d, nq).sort(dim=1).values.to(torch.int32).contiguous()
+
+    first, last = ascending(rest & ~before), ascending(rest & ~after)
+    qi = d.to(torch.int32).expand(heads, nq).contiguous()
+    count = torch.searchsorted(first, qi, right=True).to(torch.int32).contiguous()
+    return DiagonalRuns(first=first, last=last, count=count)
+
+
 def index_to_mask(index: SparseIndex, rows: slice | None = None) -> torch.Tensor:
     """bool [H, r, n]: the exact element mask the kernel computes for query rows `rows` (all)."""
     n, b = index.seq_len, index.block

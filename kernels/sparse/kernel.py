@@ -2,11 +2,14 @@
 
 Twin: `reference.masked_attention` under `index.index_to_mask(index)`.
 
-One program per (query block, query head). It walks the three disjoint sources of the index:
-selected block diagonals, listed key blocks, then gathered key columns (skipping columns that a
-walked block already holds). Heads of one layer may mix patterns (A-shape, vertical-slash,
+One program per (query block, query head), the late query blocks (the most keys) first. It walks
+the three disjoint sources of the index: selected block diagonals (`index.diagonal_runs`: each run
+of consecutive offsets is a contiguous key range, walked without a mask; the diagonal block alone
+is masked causally), listed key blocks, then gathered key columns (skipping columns that a walked
+block already holds). Heads of one layer may mix patterns (A-shape, vertical-slash,
 block-sparse, dense) in a single launch. Grouped-query natively: a query head reads the keys of
-head // group in place; KV is never repeated.
+head // group in place; KV is never repeated, except the column keys, gathered per query head
+(a few thousand rows) so that their loads advance contiguously too.
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ import torch
 import triton
 import triton.language as tl
 
-from tgserve.kernels.sparse.index import SparseIndex
+from tgserve.kernels.sparse.index import SparseIndex, diagonal_runs
 from tgserve.kernels.triton_common import attend_tile, dot_precision, pow2
 
-LAUNCH = {"num_warps": 4, "num_stages": 3}  # Triton's defaults; kernels/bench/profile_sparse.py sweeps
+# Two stages: at three, the column loop's buffers cost the diagonal walk its speed (H200 replays of
+# 128K indices: 52 ms a layer at 3, 41.5-43.5 at 2). kernels/bench/profile_sparse.py sweeps.
+LAUNCH = {"num_warps": 4, "num_stages": 2}
 
 
 @triton.jit
@@ -39,15 +44,30 @@ def _key_block(acc, m_i, l_i, q, rows, j, k_ptrs, v_ptrs, stride_kt, stride_vt, 
 
 
 @triton.jit
+def _inner_block(acc, m_i, l_i, q, first_key, k_ptrs, v_ptrs, stride_kt, stride_vt, dim_ok, sm_scale,
+                 BLOCK: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """The BLOCK keys from first_key, wholly before the query block and inside the sequence: no mask."""
+    pos64 = (first_key + tl.arange(0, BLOCK)).to(tl.int64)[:, None]
+    if EVEN_D:
+        k = tl.load(k_ptrs + pos64 * stride_kt)
+        v = tl.load(v_ptrs + pos64 * stride_vt)
+    else:
+        k = tl.load(k_ptrs + pos64 * stride_kt, mask=dim_ok[None, :], other=0.0)
+        v = tl.load(v_ptrs + pos64 * stride_vt, mask=dim_ok[None, :], other=0.0)
+    return attend_tile(acc, m_i, l_i, q, k, v, None, sm_scale, 0.0, False, PRECISION, MASKED=False)
+
+
+@triton.jit
 def _sparse_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr,
-    diag_off_ptr, diag_cnt_ptr, cover_ptr, blocks_ptr, block_cnt_ptr, cols_ptr, col_cnt_ptr,
-    sm_scale, n, num_qb, max_d, max_b, max_c,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    q_ptr, k_ptr, v_ptr, out_ptr, kc_ptr, vc_ptr,
+    run_first_ptr, run_last_ptr, run_cnt_ptr, cover_ptr, blocks_ptr, block_cnt_ptr, cols_ptr, col_cnt_ptr,
+    sm_scale, n, num_qb, max_b, max_c,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_ch,
     group, head_dim,
     BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr, PRECISION: tl.constexpr,
+    EVEN_D: tl.constexpr,
 ):  # fmt: skip
-    qb = tl.program_id(0)
+    qb = num_qb - 1 - tl.program_id(0)  # the late query blocks (the most keys) first: a lighter tail
     head = tl.program_id(1)
     kv_head = head // group
     hq = head * num_qb + qb
@@ -65,10 +85,19 @@ def _sparse_kernel(
     m_i = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK], dtype=tl.float32)
 
-    # 1. Selected block diagonals; the offsets are ascending, so the first diag_cnt are <= qb.
-    for t in range(0, tl.load(diag_cnt_ptr + hq)):
-        j = qb - tl.load(diag_off_ptr + head * max_d + t)
-        acc, m_i, l_i = _key_block(acc, m_i, l_i, q, rows, j, k_ptrs, v_ptrs, stride_kt, stride_vt,
+    # 1. Selected block diagonals. A run of offsets a..b reaches the key blocks max(qb - b, 0) ..
+    # qb - a, all before this query block: a mask-free walk whose address advances one block a step,
+    # which Triton pipelines; reading an offset per block kept it from that (the diagonals of a 128K
+    # layer on an H200: 419 against 359 TFLOP/s). Then offset 0, the diagonal block, causally masked.
+    runs = head * num_qb
+    for r in range(0, tl.load(run_cnt_ptr + hq)):
+        first_key = tl.maximum(qb - tl.load(run_last_ptr + runs + r), 0) * BLOCK
+        end_key = (qb - tl.load(run_first_ptr + runs + r) + 1) * BLOCK
+        for start in range(first_key, end_key, BLOCK):
+            acc, m_i, l_i = _inner_block(acc, m_i, l_i, q, start, k_ptrs, v_ptrs, stride_kt, stride_vt,
+                                         dim_ok, sm_scale, BLOCK, EVEN_D, PRECISION)  # fmt: skip
+    if tl.load(cover_ptr + head * num_qb) != 0:
+        acc, m_i, l_i = _key_block(acc, m_i, l_i, q, rows, qb, k_ptrs, v_ptrs, stride_kt, stride_vt,
                                    dim_ok, n, sm_scale, BLOCK, PRECISION)  # fmt: skip
 
     # 2. Listed key blocks of this query block (already disjoint from the diagonals).
@@ -78,10 +107,14 @@ def _sparse_kernel(
         acc, m_i, l_i = _key_block(acc, m_i, l_i, q, rows, j, k_ptrs, v_ptrs, stride_kt, stride_vt,
                                    dim_ok, n, sm_scale, BLOCK, PRECISION)  # fmt: skip
 
-    # 3. Key columns, gathered BLOCK at a time, minus those inside a block walked above.
+    # 3. Key columns, BLOCK at a time, minus those inside a block walked above. Their keys and
+    # values were gathered per head beforehand (`_gather_columns`), so these loads advance
+    # contiguously like the diagonals' and pipeline; only the masks read the column positions.
     n_cols = tl.load(col_cnt_ptr + hq)
     slots = tl.arange(0, BLOCK_B)
     listed = tl.load(blocks_ptr + hq * max_b + slots, mask=slots < n_listed, other=-1)
+    kc_ptrs = kc_ptr + head * stride_ch + dims[None, :]
+    vc_ptrs = vc_ptr + head * stride_ch + dims[None, :]
     for c0 in range(0, n_cols, BLOCK):
         idx = c0 + tl.arange(0, BLOCK)
         ok = idx < n_cols
@@ -90,16 +123,34 @@ def _sparse_kernel(
         on_diag = tl.load(cover_ptr + head * num_qb + qb - col_block, mask=ok, other=1)
         in_list = tl.sum((col_block[:, None] == listed[None, :]).to(tl.int32), 1)
         ok = ok & (on_diag == 0) & (in_list == 0)
-        col64 = col.to(tl.int64)
-        kv_mask = ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_ptrs + col64[:, None] * stride_kt, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptrs + col64[:, None] * stride_vt, mask=kv_mask, other=0.0)
+        slot = idx.to(tl.int64)[:, None] * BLOCK_D  # < the gathered buffer's padded length
+        if EVEN_D:
+            k = tl.load(kc_ptrs + slot)
+            v = tl.load(vc_ptrs + slot)
+        else:
+            k = tl.load(kc_ptrs + slot, mask=dim_ok[None, :], other=0.0)
+            v = tl.load(vc_ptrs + slot, mask=dim_ok[None, :], other=0.0)
         mask = ok[None, :] & (col[None, :] <= rows[:, None])
         acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k, v, mask, sm_scale, 0.0, False, PRECISION)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     out_ptrs = out_ptr + rows64[:, None] * stride_ot + head * stride_oh + dims[None, :]
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+def _gather_columns(key: torch.Tensor, value: torch.Tensor, columns: torch.Tensor, num_heads: int, block: int):  # fmt: skip
+    """Each query head's column keys and values, contiguous: [H, C rounded up to block, pow2(D)].
+
+    Padding (columns past the sequence, the rounding) repeats the last key; the kernel masks it.
+    """
+    n, num_kv_heads, head_dim = key.shape
+    width = -(-columns.shape[1] // block) * block
+    positions = torch.nn.functional.pad(columns, (0, width - columns.shape[1]), value=n)
+    positions = positions.clamp(max=n - 1).long()
+    kv_heads = (torch.arange(num_heads, device=key.device) // (num_heads // num_kv_heads))[:, None]
+    pad_d = triton.next_power_of_2(head_dim) - head_dim
+    gathered = [torch.nn.functional.pad(t[positions, kv_heads], (0, pad_d)) for t in (key, value)]
+    return gathered[0], gathered[1]
 
 
 def sparse_attention_kernel(
@@ -117,14 +168,16 @@ def sparse_attention_kernel(
     assert query.stride(2) == 1 and key.stride(2) == 1 and value.stride(2) == 1 and out.stride(2) == 1
     num_qb = index.diag_cover.shape[1]
     block = index.block
+    runs = diagonal_runs(index.diag_cover)
+    key_cols, value_cols = _gather_columns(key, value, index.columns, num_heads, block)
     _sparse_kernel[(num_qb, num_heads)](
-        query, key, value, out,
-        index.diag_offsets, index.diag_count, index.diag_cover, index.blocks, index.block_count,
+        query, key, value, out, key_cols, value_cols,
+        runs.first, runs.last, runs.count, index.diag_cover, index.blocks, index.block_count,
         index.columns, index.column_count,
-        scale, n, num_qb, index.diag_offsets.shape[1], index.blocks.shape[2], index.columns.shape[1],
+        scale, n, num_qb, index.blocks.shape[2], index.columns.shape[1],
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        out.stride(0), out.stride(1), group, head_dim,
+        out.stride(0), out.stride(1), key_cols.stride(0), group, head_dim,
         BLOCK=block, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_B=pow2(index.blocks.shape[2], 1),
-        PRECISION=dot_precision(query.dtype), **LAUNCH,
+        PRECISION=dot_precision(query.dtype), EVEN_D=head_dim == triton.next_power_of_2(head_dim), **LAUNCH,
     )  # fmt: skip
     return out

@@ -45,7 +45,7 @@ def test_sparse_kernel_matches_masked_reference(device, dtype, heads, kv_heads):
     assert max_abs_err(out.cpu(), want) <= ATOL[dtype]
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 96, 128])  # 96: not a power of two
 def test_sparse_kernel_head_dims(device, head_dim):
     n, block = 64, 16
     q, k, v = _qkv(n, 4, 2, head_dim, torch.float16, seed=head_dim)
@@ -119,3 +119,26 @@ def test_index_sources_are_a_union_without_double_counting(device):
     moved = build_index(n, block, cover.to(device), blocks.to(device), columns.to(device))
     got = sparse_attention_kernel(q.to(device), k.to(device), v.to(device), moved, 0.25)
     assert max_abs_err(got.cpu(), want) <= 2e-5
+
+
+def test_diagonal_runs_reach_each_selected_key_block_once():
+    """For every query block the runs' key ranges, plus the diagonal block where offset 0 is
+    selected, are exactly the key blocks q - d of the selected offsets d <= q, each once."""
+    from tgserve.kernels.sparse.index import diagonal_runs
+
+    gen = torch.Generator().manual_seed(4)
+    cover = torch.rand(6, 40, generator=gen) < 0.5
+    cover[0] = True  # dense: one run from offset 1
+    cover[1] = False
+    cover[1, ::2] = True  # no two offsets consecutive: runs of one
+    cover[2, 0] = False  # no diagonal block
+    runs = diagonal_runs(cover)
+    for h in range(cover.shape[0]):
+        for q in range(cover.shape[1]):
+            reached = [q] if cover[h, 0] else []
+            count = runs.count[h, q]
+            for a, b in zip(runs.first[h, :count].tolist(), runs.last[h, :count].tolist()):
+                assert 1 <= a <= min(b, q)
+                reached += range(max(q - b, 0), q - a + 1)
+            want = [q - d for d in range(q + 1) if cover[h, d]]
+            assert sorted(reached) == sorted(want), (h, q)
