@@ -180,6 +180,16 @@ def engine_section(args: argparse.Namespace, model_dir: Path) -> dict[str, float
     return results
 
 
+def recording_indices(folder: Path | None) -> contextlib.AbstractContextManager:
+    """Save the sparse indices of a run for kernels/bench/replay_sparse.py (folder None: nothing)."""
+    if folder is None:
+        return contextlib.nullcontext()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels" / "bench"))
+    from replay_sparse import recording
+
+    return recording(folder)
+
+
 def long_prompt_section(args: argparse.Namespace, model_dir: Path) -> dict[str, float]:
     """(c): sparse prefill needs the whole prompt in one step, so this engine's budget is the prompt."""
     engine = LLMEngine(
@@ -206,7 +216,8 @@ def long_prompt_section(args: argparse.Namespace, model_dir: Path) -> dict[str, 
     for seed, (name, config) in enumerate(runs):
         backend.sparse = config
         long = prompts(1, args.long_prompt, engine.vocab_size, seed=10 + seed)
-        results[f"c_ttft_{name}_s"] = run_engine(engine, long, 1)["prefill_s"]
+        with recording_indices(args.save_sparse_index if seed == 0 else None):
+            results[f"c_ttft_{name}_s"] = run_engine(engine, long, 1)["prefill_s"]
     if args.profile_dir:  # the sparse prefill's kernels
         backend.sparse = sparse
         with profiled(args.profile_dir / "profile-long-sparse.txt", row_limit=30):
@@ -295,6 +306,9 @@ def main() -> None:
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument(
         "--profile-dir", type=Path, help="write decode kernel profiles (batch 1 and 256) here"
+    )
+    parser.add_argument(
+        "--save-sparse-index", type=Path, help="(c): save layers 0/16/31's sparse indices here"
     )
     parser.add_argument("--section", choices=["baseline", "engine", "long"], help=argparse.SUPPRESS)
     parser.add_argument("--only", choices=["baseline", "engine", "long"], help="run one section")
