@@ -168,12 +168,14 @@ def _sparse_one(
     scale: float,
     config: SparseConfig,
     layer: int,
-) -> torch.Tensor:
+    out: torch.Tensor,
+) -> None:
+    """Sparse attention of one prompt, written into out (no [n, heads, d] temporary to copy)."""
     from tgserve.kernels.sparse.attention import sparse_prefill
 
     patterns = config.head_patterns(layer, query.shape[1])
-    return sparse_prefill(query, key, value, scale, patterns, config.block, config.last_q,
-                          use_triton=use_triton(query))  # fmt: skip
+    sparse_prefill(query, key, value, scale, patterns, config.block, config.last_q, use_triton=use_triton(query),
+                   out=out)  # fmt: skip
 
 
 def fresh_prefill(
@@ -203,7 +205,7 @@ def fresh_prefill(
     for start, end in zip(cu_seqlens_cpu, cu_seqlens_cpu[1:]):
         q, k, v = query[start:end], key[start:end], value[start:end]
         if end - start >= sparse.min_seq_len:
-            out[start:end] = _sparse_one(q, k, v, scale, sparse, layer)
+            _sparse_one(q, k, v, scale, sparse, layer, out=out[start:end])
         elif end > start:
             cu = torch.zeros(2, dtype=torch.int32, device=query.device)
             cu[1] = end - start  # a scalar fill: no blocking host-to-device copy
