@@ -91,6 +91,36 @@ def test_sparse_kernel_gpu(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_fresh_prefill_goes_sparse_in_place_gpu(dtype):
+    """The engine's call: q/k/v are views of one fused projection and a long prompt sits between
+    short ones; the long one is computed sparse straight into its rows of the step's output."""
+    from tgserve.kernels.sparse.attention import estimate_index
+    from tgserve.kernels.sparse.config import SparseConfig
+    from tgserve.kernels.sparse.index import index_to_mask
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    lens = [100, 4096, 7]
+    starts = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    qkv = torch.randn(starts[-1], 48, 128, device="cuda", generator=gen, dtype=dtype)
+    q, k, v = qkv[:, :32], qkv[:, 32:40], qkv[:, 40:]
+    config = SparseConfig(min_seq_len=2048)
+    cu = torch.tensor(starts, device="cuda", dtype=torch.int32)
+    got = dispatch.fresh_prefill(q, k, v, cu, starts, 0.088, sparse=config, layer=0)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # the references' own layout
+    for a, b in zip(starts, starts[1:]):
+        if b - a >= config.min_seq_len:
+            patterns = config.head_patterns(0, 32)
+            index = estimate_index(q[a:b], k[a:b], 0.088, patterns, 64, 64, use_triton=True)
+            args = (q[a:b], k[a:b], v[a:b], index_to_mask(index), 0.088)
+            exact, low = reference.masked_attention(*args), reference.masked_attention(*args, upcast=False)
+        else:
+            one = torch.tensor([0, b - a], device="cuda", dtype=torch.int32)
+            exact = reference.varlen_attention(q[a:b], k[a:b], v[a:b], one, 0.088)
+            low = reference.varlen_attention(q[a:b], k[a:b], v[a:b], one, 0.088, upcast=False)
+        _flash_rule(got[a:b], exact, low)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_write_kv_gpu(dtype):
     cache = torch.zeros(2, 64, 16, 8, 128, device="cuda", dtype=dtype)
     key, value = (torch.randn(300, 8, 128, device="cuda", dtype=dtype) for _ in range(2))
