@@ -31,8 +31,12 @@ def save_index(index: SparseIndex, path: Path) -> None:
 
 
 def load_index(path: Path, device: str = "cuda") -> SparseIndex:
-    fields = torch.load(path)
-    return SparseIndex(**{k: v.to(device) if torch.is_tensor(v) else v for k, v in fields.items()})
+    """A saved index; fields SparseIndex no longer has (older recordings) are dropped."""
+    saved = torch.load(path)
+    names = {f.name for f in dataclasses.fields(SparseIndex)}
+    return SparseIndex(
+        **{k: v.to(device) if torch.is_tensor(v) else v for k, v in saved.items() if k in names}
+    )
 
 
 @contextmanager

@@ -27,7 +27,6 @@ class SparseIndex:
 
     block: int
     seq_len: int
-    diag_offsets: torch.Tensor  # int32 [H, D]: selected block-diagonal offsets, ascending
     diag_count: torch.Tensor  # int32 [H, Q]: how many offsets d <= i (usable by query block i)
     diag_cover: torch.Tensor  # int8 [H, Q]: 1 where block diagonal d is selected
     blocks: torch.Tensor  # int32 [H, Q, B]: listed key blocks (first block_count valid)
@@ -71,11 +70,8 @@ def build_index(
     heads, nq = diag_cover.shape
     device = diag_cover.device
     qi = torch.arange(nq, device=device)
-    # 1. block diagonals: ascending offsets, padded past any block index.
-    diag_offsets = torch.where(diag_cover, qi[None, :], nq).sort(dim=1).values.to(torch.int32).contiguous()
-    diag_count = torch.searchsorted(
-        diag_offsets, qi.expand(heads, nq).to(torch.int32).contiguous(), right=True
-    )
+    # 1. block diagonals: the kernel walks them from the cover (diagonal_runs); count per query block.
+    diag_count = diag_cover.to(torch.int32).cumsum(dim=1)
 
     # 2. listed blocks: drop those on a selected diagonal or above the causal diagonal.
     if blocks is None or blocks.shape[-1] == 0:
@@ -107,7 +103,6 @@ def build_index(
     return SparseIndex(
         block=block,
         seq_len=seq_len,
-        diag_offsets=diag_offsets,
         diag_count=diag_count.to(torch.int32).contiguous(),
         diag_cover=diag_cover.to(torch.int8).contiguous(),
         blocks=blocks,
