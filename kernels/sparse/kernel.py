@@ -21,8 +21,8 @@ import triton.language as tl
 from tgserve.kernels.sparse.index import SparseIndex, diagonal_runs
 from tgserve.kernels.triton_common import attend_tile, dot_precision, pow2
 
-# Two stages: at three, the column loop's buffers cost the diagonal walk its speed (H200 replays of
-# 128K indices: 52 ms a layer at 3, 41.5-43.5 at 2). kernels/bench/profile_sparse.py sweeps.
+# Two stages: H200 replays of 128K indices took 52 ms a layer at three (Triton's default), 41-43 at
+# two; three on the diagonal loop alone gained nothing. kernels/bench/replay_sparse.py times them.
 LAUNCH = {"num_warps": 4, "num_stages": 2}
 
 
