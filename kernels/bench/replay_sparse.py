@@ -73,10 +73,9 @@ def replay(folder: Path, iters: int) -> None:
         ms = timed_ms(
             lambda: kernel.sparse_attention_kernel(q, k, v, index, DIM**-0.5), warmup=1, iters=iters
         )
-        tflops = index.tiles() * 4 * index.block**2 * DIM / ms / 1e9
-        print(
-            f"{name:<28} {ms:8.2f} ms  {index.tiles() / 1e6:6.2f} M tiles  {tflops:5.0f} TFLOP/s", flush=True
-        )
+        tiles = index.tiles()
+        tflops = tiles * 4 * index.block**2 * DIM / ms / 1e9
+        print(f"{name:<28} {ms:8.2f} ms  {tiles / 1e6:6.2f} M tiles  {tflops:5.0f} TFLOP/s", flush=True)
 
     for name, index in indices.items():
         row(name, index)

@@ -123,13 +123,10 @@ def _sparse_kernel(
         on_diag = tl.load(cover_ptr + head * num_qb + qb - col_block, mask=ok, other=1)
         in_list = tl.sum((col_block[:, None] == listed[None, :]).to(tl.int32), 1)
         ok = ok & (on_diag == 0) & (in_list == 0)
-        slot = idx.to(tl.int64)[:, None] * BLOCK_D  # < the gathered buffer's padded length
-        if EVEN_D:
-            k = tl.load(kc_ptrs + slot)
-            v = tl.load(vc_ptrs + slot)
-        else:
-            k = tl.load(kc_ptrs + slot, mask=dim_ok[None, :], other=0.0)
-            v = tl.load(vc_ptrs + slot, mask=dim_ok[None, :], other=0.0)
+        # The gathered buffer is padded to whole chunks and BLOCK_D: no load mask at any head dim.
+        slot = idx.to(tl.int64)[:, None] * BLOCK_D
+        k = tl.load(kc_ptrs + slot)
+        v = tl.load(vc_ptrs + slot)
         mask = ok[None, :] & (col[None, :] <= rows[:, None])
         acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k, v, mask, sm_scale, 0.0, False, PRECISION)
 
@@ -141,7 +138,8 @@ def _sparse_kernel(
 def _gather_columns(key: torch.Tensor, value: torch.Tensor, columns: torch.Tensor, num_heads: int, block: int):  # fmt: skip
     """Each query head's column keys and values, contiguous: [H, C rounded up to block, pow2(D)].
 
-    Padding (columns past the sequence, the rounding) repeats the last key; the kernel masks it.
+    Padded rows (columns past the sequence, the rounding) repeat the last key and the kernel masks
+    them; padded dims are zeros, which add nothing to a score and are never stored.
     """
     n, num_kv_heads, head_dim = key.shape
     width = -(-columns.shape[1] // block) * block
@@ -149,7 +147,9 @@ def _gather_columns(key: torch.Tensor, value: torch.Tensor, columns: torch.Tenso
     positions = positions.clamp(max=n - 1).long()
     kv_heads = (torch.arange(num_heads, device=key.device) // (num_heads // num_kv_heads))[:, None]
     pad_d = triton.next_power_of_2(head_dim) - head_dim
-    gathered = [torch.nn.functional.pad(t[positions, kv_heads], (0, pad_d)) for t in (key, value)]
+    gathered = [t[positions, kv_heads] for t in (key, value)]  # fresh [H, width, D] tensors
+    if pad_d:
+        gathered = [torch.nn.functional.pad(t, (0, pad_d)) for t in gathered]
     return gathered[0], gathered[1]
 
 
