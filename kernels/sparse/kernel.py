@@ -17,13 +17,15 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tgserve.kernels.sparse.index import SparseIndex, diagonal_runs
-from tgserve.kernels.triton_common import attend_tile, dot_precision, pow2
+from tgserve.kernels.triton_common import attend_tile, dot_precision, interpreting, pow2
 
 # Two stages: H200 replays of 128K indices took 52 ms a layer at three (Triton's default), 41-43 at
 # two; three on the diagonal loop alone gained nothing. kernels/bench/replay_sparse.py times them.
 LAUNCH = {"num_warps": 4, "num_stages": 2}
+USE_DESCRIPTORS = True  # mask-free K/V loads through tensor descriptors where the layout allows
 
 
 @triton.jit
@@ -45,10 +47,17 @@ def _key_block(acc, m_i, l_i, q, rows, j, k_ptrs, v_ptrs, stride_kt, stride_vt, 
 
 @triton.jit
 def _inner_block(acc, m_i, l_i, q, first_key, k_ptrs, v_ptrs, stride_kt, stride_vt, dim_ok, sm_scale,
-                 BLOCK: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
-    """The BLOCK keys from first_key, wholly before the query block and inside the sequence: no mask."""
+                 k_desc, v_desc, head_col, BLOCK: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
+                 DESC: tl.constexpr):  # fmt: skip
+    """The BLOCK keys from first_key, wholly before the query block and inside the sequence: no mask.
+
+    DESC: through tensor descriptors (TMA on Hopper) at (first_key, head_col) of the [n, heads x D] view.
+    """
     pos64 = (first_key + tl.arange(0, BLOCK)).to(tl.int64)[:, None]
-    if EVEN_D:
+    if DESC:
+        k = k_desc.load([first_key, head_col])
+        v = v_desc.load([first_key, head_col])
+    elif EVEN_D:
         k = tl.load(k_ptrs + pos64 * stride_kt)
         v = tl.load(v_ptrs + pos64 * stride_vt)
     else:
@@ -59,13 +68,13 @@ def _inner_block(acc, m_i, l_i, q, first_key, k_ptrs, v_ptrs, stride_kt, stride_
 
 @triton.jit
 def _sparse_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, kc_ptr, vc_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, kc_ptr, vc_ptr, k_desc, v_desc, kc_desc, vc_desc,
     run_first_ptr, run_last_ptr, run_cnt_ptr, cover_ptr, blocks_ptr, block_cnt_ptr, cols_ptr, col_cnt_ptr,
     sm_scale, n, num_qb, max_b, max_c,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_ch,
     group, head_dim,
     BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr, PRECISION: tl.constexpr,
-    EVEN_D: tl.constexpr,
+    EVEN_D: tl.constexpr, DESC: tl.constexpr,
 ):  # fmt: skip
     qb = num_qb - 1 - tl.program_id(0)  # the late query blocks (the most keys) first: a lighter tail
     head = tl.program_id(1)
@@ -94,8 +103,9 @@ def _sparse_kernel(
         first_key = tl.maximum(qb - tl.load(run_last_ptr + runs + r), 0) * BLOCK
         end_key = (qb - tl.load(run_first_ptr + runs + r) + 1) * BLOCK
         for start in range(first_key, end_key, BLOCK):
-            acc, m_i, l_i = _inner_block(acc, m_i, l_i, q, start, k_ptrs, v_ptrs, stride_kt, stride_vt,
-                                         dim_ok, sm_scale, BLOCK, EVEN_D, PRECISION)  # fmt: skip
+            acc, m_i, l_i = _inner_block(acc, m_i, l_i, q, start, k_ptrs, v_ptrs, stride_kt, stride_vt, dim_ok,
+                                         sm_scale, k_desc, v_desc, kv_head * BLOCK_D, BLOCK, EVEN_D, PRECISION,
+                                         DESC)  # fmt: skip
     if tl.load(cover_ptr + head * num_qb) != 0:
         acc, m_i, l_i = _key_block(acc, m_i, l_i, q, rows, qb, k_ptrs, v_ptrs, stride_kt, stride_vt,
                                    dim_ok, n, sm_scale, BLOCK, PRECISION)  # fmt: skip
@@ -115,6 +125,7 @@ def _sparse_kernel(
     listed = tl.load(blocks_ptr + hq * max_b + slots, mask=slots < n_listed, other=-1)
     kc_ptrs = kc_ptr + head * stride_ch + dims[None, :]
     vc_ptrs = vc_ptr + head * stride_ch + dims[None, :]
+    first_slot = head * (stride_ch // BLOCK_D)  # this head's first row in the gathered [H x C, D] view
     for c0 in range(0, n_cols, BLOCK):
         idx = c0 + tl.arange(0, BLOCK)
         ok = idx < n_cols
@@ -124,9 +135,13 @@ def _sparse_kernel(
         in_list = tl.sum((col_block[:, None] == listed[None, :]).to(tl.int32), 1)
         ok = ok & (on_diag == 0) & (in_list == 0)
         # The gathered buffer is padded to whole chunks and BLOCK_D: no load mask at any head dim.
-        slot = idx.to(tl.int64)[:, None] * BLOCK_D
-        k = tl.load(kc_ptrs + slot)
-        v = tl.load(vc_ptrs + slot)
+        if DESC:
+            k = kc_desc.load([first_slot + c0, 0])
+            v = vc_desc.load([first_slot + c0, 0])
+        else:
+            slot = idx.to(tl.int64)[:, None] * BLOCK_D
+            k = tl.load(kc_ptrs + slot)
+            v = tl.load(vc_ptrs + slot)
         mask = ok[None, :] & (col[None, :] <= rows[:, None])
         acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k, v, mask, sm_scale, 0.0, False, PRECISION)
 
@@ -153,6 +168,26 @@ def _gather_columns(key: torch.Tensor, value: torch.Tensor, columns: torch.Tenso
     return gathered[0], gathered[1]
 
 
+def _descriptors(key, value, key_cols, value_cols, block: int):
+    """Tensor descriptors for the mask-free loads (TMA on Hopper and later), or None.
+
+    Keys/values as [n, KV heads x D] (rows of one token side by side), the gathered columns as
+    [H x C, D]. Needs a power-of-two head dim, heads adjacent in memory and 16-byte alignment.
+    """
+    if not USE_DESCRIPTORS:
+        return None
+    n, num_kv_heads, head_dim = key.shape
+    if not interpreting() and torch.cuda.get_device_capability(key.device)[0] < 9:
+        return None
+    views = [(t, [n, num_kv_heads * head_dim], [t.stride(0), 1]) for t in (key, value)]
+    views += [(t, [t.shape[0] * t.shape[1], t.shape[2]], [t.shape[2], 1]) for t in (key_cols, value_cols)]
+    aligned = all(t.stride(1) == head_dim and t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
+                  for t in (key, value)) and head_dim == triton.next_power_of_2(head_dim)  # fmt: skip
+    if not aligned:
+        return None
+    return tuple(TensorDescriptor(t, shape, strides, [block, head_dim]) for t, shape, strides in views)
+
+
 def sparse_attention_kernel(
     query: torch.Tensor,  # [n, num_heads, head_dim]
     key: torch.Tensor,  # [n, num_kv_heads, head_dim]
@@ -170,14 +205,16 @@ def sparse_attention_kernel(
     block = index.block
     runs = diagonal_runs(index.diag_cover)
     key_cols, value_cols = _gather_columns(key, value, index.columns, num_heads, block)
+    descriptors = _descriptors(key, value, key_cols, value_cols, block)
     _sparse_kernel[(num_qb, num_heads)](
-        query, key, value, out, key_cols, value_cols,
+        query, key, value, out, key_cols, value_cols, *(descriptors or (key, value, key_cols, value_cols)),
         runs.first, runs.last, runs.count, index.diag_cover, index.blocks, index.block_count,
         index.columns, index.column_count,
         scale, n, num_qb, index.blocks.shape[2], index.columns.shape[1],
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         out.stride(0), out.stride(1), key_cols.stride(0), group, head_dim,
         BLOCK=block, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_B=pow2(index.blocks.shape[2], 1),
-        PRECISION=dot_precision(query.dtype), EVEN_D=head_dim == triton.next_power_of_2(head_dim), **LAUNCH,
+        PRECISION=dot_precision(query.dtype), EVEN_D=head_dim == triton.next_power_of_2(head_dim),
+        DESC=descriptors is not None, **LAUNCH,
     )  # fmt: skip
     return out

@@ -24,6 +24,15 @@ MIXED = [
 ]
 
 
+@pytest.fixture(params=[True, False], ids=["descriptors", "pointers"])
+def load_path(request, monkeypatch):
+    """The sparse kernel's mask-free loads through tensor descriptors, or plain pointers."""
+    from tgserve.kernels.sparse import kernel
+
+    monkeypatch.setattr(kernel, "USE_DESCRIPTORS", request.param)
+    return request.param
+
+
 def _qkv(n: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     return [torch.randn(n, h, dim, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads)]
@@ -31,7 +40,7 @@ def _qkv(n: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, seed: 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (16, 2), (8, 1)])  # GQA 1, 4, 8, MQA
-def test_sparse_kernel_matches_masked_reference(device, dtype, heads, kv_heads):
+def test_sparse_kernel_matches_masked_reference(device, dtype, heads, kv_heads, load_path):
     """Mixed per-head patterns in one launch; n = 150 leaves a ragged last block of 16."""
     n, block = 150, 16
     q, k, v = _qkv(n, heads, kv_heads, 32, dtype, seed=heads + kv_heads)
@@ -142,3 +151,23 @@ def test_diagonal_runs_reach_each_selected_key_block_once():
                 reached += range(max(q - b, 0), q - a + 1)
             want = [q - d for d in range(q + 1) if cover[h, d]]
             assert sorted(reached) == sorted(want), (h, q)
+
+
+@pytest.mark.parametrize("diagonal_block", [False, True])
+def test_columns_span_chunks_and_reach_into_the_query_block(device, diagonal_block, load_path):
+    """Many columns (several chunks before each query block, a causal tail inside it), with and
+    without the diagonal block selected; listed blocks and diagonals hold some of the columns."""
+    n, block, nq = 150, 16, 10
+    gen = torch.Generator().manual_seed(5)
+    cover = torch.zeros(2, nq, dtype=torch.bool)
+    cover[:, 0] = diagonal_block
+    cover[0, [2, 3, 5]] = True
+    cover[1, 1] = True
+    blocks = torch.randint(-1, nq, (2, nq, 2), generator=gen)
+    columns = torch.randperm(n, generator=gen)[:90].view(2, 45)
+    q, k, v = (torch.randn(n, h, 32, generator=gen) for h in (2, 1, 1))
+    index = build_index(n, block, cover, blocks, columns)
+    want = reference.masked_attention(q, k, v, index_to_mask(index), 0.2)
+    moved = build_index(n, block, cover.to(device), blocks.to(device), columns.to(device))
+    got = sparse_attention_kernel(q.to(device), k.to(device), v.to(device), moved, 0.2)
+    assert max_abs_err(got.cpu(), want) <= 2e-5
