@@ -2,14 +2,17 @@
 
 Twin: `reference.masked_attention` under `index.index_to_mask(index)`.
 
-One program per (query block, query head), the late query blocks (the most keys) first. It walks
-the three disjoint sources of the index: selected block diagonals (`index.diagonal_runs`: each run
-of consecutive offsets is a contiguous key range, walked without a mask; the diagonal block alone
-is masked causally), listed key blocks, then gathered key columns (skipping columns that a walked
-block already holds). Heads of one layer may mix patterns (A-shape, vertical-slash,
-block-sparse, dense) in a single launch. Grouped-query natively: a query head reads the keys of
-head // group in place; KV is never repeated, except the column keys, gathered per query head
-(a few thousand rows) so that their loads advance contiguously too.
+One program per (query block, query head), the late query blocks (the most keys) first, in two
+launches over the three disjoint sources of the index. The first walks the selected block diagonals
+past the diagonal block (`index.diagonal_runs`: each run of consecutive offsets is a contiguous key
+range, walked without a mask) and stores a partial output with each row's running max and sum. The
+second continues from that state with the diagonal block (masked causally), the listed key blocks
+and the gathered key columns (skipping columns that a walked block already holds), then stores the
+final output. Split this way, the walk (most of the work) compiles to a plain flash loop, without
+the registers and shared memory the other sources need. Heads of one layer may mix patterns
+(A-shape, vertical-slash, block-sparse, dense) in a single launch. Grouped-query natively: a query
+head reads the keys of head // group in place; KV is never repeated, except the column keys,
+gathered per query head (a few thousand rows) so that their loads advance contiguously too.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from tgserve.kernels.triton_common import attend_tile, dot_precision, interpreti
 # Two stages: H200 replays of 128K indices took 52 ms a layer at three (Triton's default), 41-43 at
 # two; three on the diagonal loop alone gained nothing. kernels/bench/replay_sparse.py times them.
 LAUNCH = {"num_warps": 4, "num_stages": 2}
+WALK_LAUNCH = {"num_warps": 4, "num_stages": 3}  # the diagonal walk's own kernel (unmeasured)
 USE_DESCRIPTORS = True  # mask-free K/V loads through tensor descriptors where the layout allows
 
 
@@ -67,45 +71,87 @@ def _inner_block(acc, m_i, l_i, q, first_key, k_ptrs, v_ptrs, stride_kt, stride_
 
 
 @triton.jit
-def _sparse_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, kc_ptr, vc_ptr, k_desc, v_desc, kc_desc, vc_desc,
-    run_first_ptr, run_last_ptr, run_cnt_ptr, cover_ptr, blocks_ptr, block_cnt_ptr, cols_ptr, col_cnt_ptr,
-    sm_scale, n, num_qb, max_b, max_c,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_ch,
-    group, head_dim,
-    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr, PRECISION: tl.constexpr,
-    EVEN_D: tl.constexpr, DESC: tl.constexpr,
+def _query_tile(
+    q_ptr, qb, head, n, stride_qt, stride_qh, head_dim, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    """This program's rows and their queries ([BLOCK, BLOCK_D], zero past n and head_dim)."""
+    rows = qb * BLOCK + tl.arange(0, BLOCK)
+    dims = tl.arange(0, BLOCK_D)
+    q_ptrs = q_ptr + rows.to(tl.int64)[:, None] * stride_qt + head * stride_qh + dims[None, :]
+    q = tl.load(q_ptrs, mask=(rows < n)[:, None] & (dims < head_dim)[None, :], other=0.0)
+    return rows, dims, q
+
+
+@triton.jit
+def _walk_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, max_ptr, sum_ptr, k_desc, v_desc, run_first_ptr, run_last_ptr, run_cnt_ptr,
+    sm_scale, n, num_qb, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_st, group, head_dim,
+    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
+    DESC: tl.constexpr,
 ):  # fmt: skip
+    """Pass 1: the selected block diagonals past the diagonal block, every tile mask-free.
+
+    A run of offsets a..b (a >= 1) reaches the key blocks max(qb - b, 0) .. qb - a, all before this
+    query block: a walk whose address advances one block a step, which Triton pipelines (reading an
+    offset per block kept it from that). Alone in its kernel, the walk keeps the registers and
+    shared memory of a plain flash loop. Stores each row's normalised partial output and its running
+    max and sum (sum 0: no key yet) for pass 2 to continue from.
+    """
     qb = num_qb - 1 - tl.program_id(0)  # the late query blocks (the most keys) first: a lighter tail
     head = tl.program_id(1)
     kv_head = head // group
-    hq = head * num_qb + qb
-
-    rows = qb * BLOCK + tl.arange(0, BLOCK)
-    dims = tl.arange(0, BLOCK_D)
-    row_ok = rows < n
+    rows, dims, q = _query_tile(q_ptr, qb, head, n, stride_qt, stride_qh, head_dim, BLOCK, BLOCK_D)
     dim_ok = dims < head_dim
-    rows64 = rows.to(tl.int64)
-    q_ptrs = q_ptr + rows64[:, None] * stride_qt + head * stride_qh + dims[None, :]
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
     k_ptrs = k_ptr + kv_head * stride_kh + dims[None, :]  # key row 0 of this KV head
     v_ptrs = v_ptr + kv_head * stride_vh + dims[None, :]
     acc = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK], dtype=tl.float32)
-
-    # 1. Selected block diagonals. A run of offsets a..b reaches the key blocks max(qb - b, 0) ..
-    # qb - a, all before this query block: a mask-free walk whose address advances one block a step,
-    # which Triton pipelines; reading an offset per block kept it from that (the diagonals of a 128K
-    # layer on an H200: 419 against 359 TFLOP/s). Then offset 0, the diagonal block, causally masked.
     runs = head * num_qb
-    for r in range(0, tl.load(run_cnt_ptr + hq)):
+    for r in range(0, tl.load(run_cnt_ptr + head * num_qb + qb)):
         first_key = tl.maximum(qb - tl.load(run_last_ptr + runs + r), 0) * BLOCK
         end_key = (qb - tl.load(run_first_ptr + runs + r) + 1) * BLOCK
         for start in range(first_key, end_key, BLOCK):
             acc, m_i, l_i = _inner_block(acc, m_i, l_i, q, start, k_ptrs, v_ptrs, stride_kt, stride_vt, dim_ok,
                                          sm_scale, k_desc, v_desc, kv_head * BLOCK_D, BLOCK, EVEN_D, PRECISION,
                                          DESC)  # fmt: skip
+    row_ok = rows < n
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_ot + head * stride_oh + dims[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    tl.store(max_ptr + head * stride_st + rows, m_i, mask=row_ok)
+    tl.store(sum_ptr + head * stride_st + rows, l_i, mask=row_ok)
+
+
+@triton.jit
+def _scattered_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, max_ptr, sum_ptr, kc_ptr, vc_ptr, kc_desc, vc_desc,
+    cover_ptr, blocks_ptr, block_cnt_ptr, cols_ptr, col_cnt_ptr,
+    sm_scale, n, num_qb, max_b, max_c,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_st, stride_ch,
+    group, head_dim,
+    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr, PRECISION: tl.constexpr,
+    DESC: tl.constexpr,
+):  # fmt: skip
+    """Pass 2: continues from pass 1's partial with the diagonal block (causally masked), the listed
+    key blocks and the gathered columns, and stores the final output."""
+    qb = num_qb - 1 - tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // group
+    hq = head * num_qb + qb
+    rows, dims, q = _query_tile(q_ptr, qb, head, n, stride_qt, stride_qh, head_dim, BLOCK, BLOCK_D)
+    row_ok = rows < n
+    dim_ok = dims < head_dim
+    k_ptrs = k_ptr + kv_head * stride_kh + dims[None, :]
+    v_ptrs = v_ptr + kv_head * stride_vh + dims[None, :]
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_ot + head * stride_oh + dims[None, :]
+    # Pass 1's state: acc is its normalised output times its sum, relative to its max.
+    m_i = tl.load(max_ptr + head * stride_st + rows, mask=row_ok, other=float("-inf"))
+    l_i = tl.load(sum_ptr + head * stride_st + rows, mask=row_ok, other=0.0)
+    acc = tl.load(out_ptrs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32) * l_i[:, None]
+
+    # 1. Offset 0, the diagonal block.
     if tl.load(cover_ptr + head * num_qb) != 0:
         acc, m_i, l_i = _key_block(acc, m_i, l_i, q, rows, qb, k_ptrs, v_ptrs, stride_kt, stride_vt,
                                    dim_ok, n, sm_scale, BLOCK, PRECISION)  # fmt: skip
@@ -119,7 +165,7 @@ def _sparse_kernel(
 
     # 3. Key columns, BLOCK at a time, minus those inside a block walked above. Their keys and
     # values were gathered per head beforehand (`_gather_columns`), so these loads advance
-    # contiguously like the diagonals' and pipeline; only the masks read the column positions.
+    # contiguously and pipeline; only the masks read the column positions.
     n_cols = tl.load(col_cnt_ptr + hq)
     slots = tl.arange(0, BLOCK_B)
     listed = tl.load(blocks_ptr + hq * max_b + slots, mask=slots < n_listed, other=-1)
@@ -146,7 +192,6 @@ def _sparse_kernel(
         acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k, v, mask, sm_scale, 0.0, False, PRECISION)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    out_ptrs = out_ptr + rows64[:, None] * stride_ot + head * stride_oh + dims[None, :]
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
 
@@ -196,7 +241,10 @@ def sparse_attention_kernel(
     scale: float,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of one fresh prompt restricted to the index's blocks and columns."""
+    """Causal attention of one fresh prompt restricted to the index's blocks and columns.
+
+    `out` must not overlap query, key or value: the first pass stores its partial output there.
+    """
     n, num_heads, head_dim = query.shape
     group = num_heads // key.shape[1]
     out = torch.empty_like(query) if out is None else out
@@ -206,15 +254,22 @@ def sparse_attention_kernel(
     runs = diagonal_runs(index.diag_cover)
     key_cols, value_cols = _gather_columns(key, value, index.columns, num_heads, block)
     descriptors = _descriptors(key, value, key_cols, value_cols, block)
-    _sparse_kernel[(num_qb, num_heads)](
-        query, key, value, out, key_cols, value_cols, *(descriptors or (key, value, key_cols, value_cols)),
-        runs.first, runs.last, runs.count, index.diag_cover, index.blocks, index.block_count,
-        index.columns, index.column_count,
-        scale, n, num_qb, index.blocks.shape[2], index.columns.shape[1],
-        query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        out.stride(0), out.stride(1), key_cols.stride(0), group, head_dim,
-        BLOCK=block, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_B=pow2(index.blocks.shape[2], 1),
-        PRECISION=dot_precision(query.dtype), EVEN_D=head_dim == triton.next_power_of_2(head_dim),
-        DESC=descriptors is not None, **LAUNCH,
+    k_desc, v_desc, kc_desc, vc_desc = descriptors or (key, value, key_cols, value_cols)
+    # Pass 1's running max and sum per (head, row); its partial output goes to `out` itself.
+    state = torch.empty(2, num_heads, num_qb * block, dtype=torch.float32, device=query.device)
+    common = dict(BLOCK=block, BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=dot_precision(query.dtype),
+                  DESC=descriptors is not None)  # fmt: skip
+    strides = (query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+               out.stride(0), out.stride(1), state.stride(1))  # fmt: skip
+    _walk_kernel[(num_qb, num_heads)](
+        query, key, value, out, state[0], state[1], k_desc, v_desc, runs.first, runs.last, runs.count,
+        scale, n, num_qb, *strides, group, head_dim,
+        EVEN_D=head_dim == triton.next_power_of_2(head_dim), **common, **WALK_LAUNCH,
+    )  # fmt: skip
+    _scattered_kernel[(num_qb, num_heads)](
+        query, key, value, out, state[0], state[1], key_cols, value_cols, kc_desc, vc_desc,
+        index.diag_cover, index.blocks, index.block_count, index.columns, index.column_count,
+        scale, n, num_qb, index.blocks.shape[2], index.columns.shape[1], *strides, key_cols.stride(0),
+        group, head_dim, BLOCK_B=pow2(index.blocks.shape[2], 1), **common, **LAUNCH,
     )  # fmt: skip
     return out
