@@ -28,7 +28,8 @@ from tgserve.kernels.triton_common import attend_tile, dot_precision, interpreti
 # Two stages: H200 replays of 128K indices took 52 ms a layer at three (Triton's default), 41-43 at
 # two; three on the diagonal loop alone gained nothing. kernels/bench/replay_sparse.py times them.
 LAUNCH = {"num_warps": 4, "num_stages": 2}
-WALK_LAUNCH = {"num_warps": 4, "num_stages": 3}  # the diagonal walk's own kernel (unmeasured)
+# The diagonal walk's own kernel (unmeasured): query blocks per program, warps, pipeline stages.
+WALK_LAUNCH = {"qblocks": 1, "num_warps": 4, "num_stages": 3}
 USE_DESCRIPTORS = True  # mask-free K/V loads through tensor descriptors where the layout allows
 
 
@@ -72,10 +73,10 @@ def _inner_block(acc, m_i, l_i, q, first_key, k_ptrs, v_ptrs, stride_kt, stride_
 
 @triton.jit
 def _query_tile(
-    q_ptr, qb, head, n, stride_qt, stride_qh, head_dim, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr
-):
-    """This program's rows and their queries ([BLOCK, BLOCK_D], zero past n and head_dim)."""
-    rows = qb * BLOCK + tl.arange(0, BLOCK)
+    q_ptr, row0, head, n, stride_qt, stride_qh, head_dim, ROWS: tl.constexpr, BLOCK_D: tl.constexpr
+):  # fmt: skip
+    """Rows row0 .. row0 + ROWS and their queries ([ROWS, BLOCK_D], zero past n and head_dim)."""
+    rows = row0 + tl.arange(0, ROWS)
     dims = tl.arange(0, BLOCK_D)
     q_ptrs = q_ptr + rows.to(tl.int64)[:, None] * stride_qt + head * stride_qh + dims[None, :]
     q = tl.load(q_ptrs, mask=(rows < n)[:, None] & (dims < head_dim)[None, :], other=0.0)
@@ -87,35 +88,52 @@ def _walk_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, max_ptr, sum_ptr, k_desc, v_desc, run_first_ptr, run_last_ptr, run_cnt_ptr,
     sm_scale, n, num_qb, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_st, group, head_dim,
-    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
-    DESC: tl.constexpr,
+    BLOCK: tl.constexpr, QBLOCKS: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    EVEN_D: tl.constexpr, DESC: tl.constexpr,
 ):  # fmt: skip
-    """Pass 1: the selected block diagonals past the diagonal block, every tile mask-free.
+    """Pass 1: the selected block diagonals past the diagonal block, for QBLOCKS query blocks q0 ..
+    q1 = q0 + QBLOCKS - 1 at once.
 
-    A run of offsets a..b (a >= 1) reaches the key blocks max(qb - b, 0) .. qb - a, all before this
-    query block: a walk whose address advances one block a step, which Triton pipelines (reading an
-    offset per block kept it from that). Alone in its kernel, the walk keeps the registers and
-    shared memory of a plain flash loop. Stores each row's normalised partial output and its running
-    max and sum (sum 0: no key yet) for pass 2 to continue from.
+    A run of offsets a..b (a >= 1) reaches the key blocks max(q - b, 0) .. q - a from query block q,
+    all before it. The blocks every row here reaches, max(q1 - b, 0) .. q0 - a, are walked without a
+    mask, the address advancing one block a step, which Triton pipelines (reading an offset per block
+    kept it from that); with QBLOCKS > 1 the few blocks only some rows reach (at most QBLOCKS - 1 at
+    each end) are masked by row. Alone in its kernel, the walk keeps the registers and shared memory
+    of a plain flash loop. Stores each row's normalised partial output and its running max and sum
+    (sum 0: no key yet) for pass 2 to continue from.
     """
-    qb = num_qb - 1 - tl.program_id(0)  # the late query blocks (the most keys) first: a lighter tail
+    q0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * QBLOCKS  # late query blocks first: a lighter tail
+    q1 = q0 + QBLOCKS - 1
     head = tl.program_id(1)
     kv_head = head // group
-    rows, dims, q = _query_tile(q_ptr, qb, head, n, stride_qt, stride_qh, head_dim, BLOCK, BLOCK_D)
+    rows, dims, q = _query_tile(q_ptr, q0 * BLOCK, head, n, stride_qt, stride_qh, head_dim, QBLOCKS * BLOCK,
+                                BLOCK_D)  # fmt: skip
     dim_ok = dims < head_dim
     k_ptrs = k_ptr + kv_head * stride_kh + dims[None, :]  # key row 0 of this KV head
     v_ptrs = v_ptr + kv_head * stride_vh + dims[None, :]
-    acc = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
-    m_i = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK], dtype=tl.float32)
+    acc = tl.zeros([QBLOCKS * BLOCK, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([QBLOCKS * BLOCK], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([QBLOCKS * BLOCK], dtype=tl.float32)
     runs = head * num_qb
-    for r in range(0, tl.load(run_cnt_ptr + head * num_qb + qb)):
-        first_key = tl.maximum(qb - tl.load(run_last_ptr + runs + r), 0) * BLOCK
-        end_key = (qb - tl.load(run_first_ptr + runs + r) + 1) * BLOCK
-        for start in range(first_key, end_key, BLOCK):
+    row_block = rows // BLOCK
+    for r in range(0, tl.load(run_cnt_ptr + runs + tl.minimum(q1, num_qb - 1))):
+        a = tl.load(run_first_ptr + runs + r)
+        b = tl.load(run_last_ptr + runs + r)
+        shared_lo = tl.maximum(q1 - b, 0)
+        if QBLOCKS > 1:  # the blocks that only the rows of the first query blocks reach
+            for j in range(tl.maximum(q0 - b, 0), shared_lo):
+                reach = (j >= row_block - b) & (j <= row_block - a)
+                acc, m_i, l_i = _key_block(acc, m_i, l_i, q, tl.where(reach, rows, -1), j, k_ptrs, v_ptrs,
+                                           stride_kt, stride_vt, dim_ok, n, sm_scale, BLOCK, PRECISION)  # fmt: skip
+        for start in range(shared_lo * BLOCK, (q0 - a + 1) * BLOCK, BLOCK):
             acc, m_i, l_i = _inner_block(acc, m_i, l_i, q, start, k_ptrs, v_ptrs, stride_kt, stride_vt, dim_ok,
                                          sm_scale, k_desc, v_desc, kv_head * BLOCK_D, BLOCK, EVEN_D, PRECISION,
                                          DESC)  # fmt: skip
+        if QBLOCKS > 1:  # the blocks that only the rows of the last query blocks reach
+            for j in range(tl.maximum(q0 - a + 1, shared_lo), q1 - a + 1):
+                reach = (j >= row_block - b) & (j <= row_block - a)
+                acc, m_i, l_i = _key_block(acc, m_i, l_i, q, tl.where(reach, rows, -1), j, k_ptrs, v_ptrs,
+                                           stride_kt, stride_vt, dim_ok, n, sm_scale, BLOCK, PRECISION)  # fmt: skip
     row_ok = rows < n
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_ot + head * stride_oh + dims[None, :]
@@ -140,7 +158,7 @@ def _scattered_kernel(
     head = tl.program_id(1)
     kv_head = head // group
     hq = head * num_qb + qb
-    rows, dims, q = _query_tile(q_ptr, qb, head, n, stride_qt, stride_qh, head_dim, BLOCK, BLOCK_D)
+    rows, dims, q = _query_tile(q_ptr, qb * BLOCK, head, n, stride_qt, stride_qh, head_dim, BLOCK, BLOCK_D)
     row_ok = rows < n
     dim_ok = dims < head_dim
     k_ptrs = k_ptr + kv_head * stride_kh + dims[None, :]
@@ -261,10 +279,12 @@ def sparse_attention_kernel(
                   DESC=descriptors is not None)  # fmt: skip
     strides = (query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
                out.stride(0), out.stride(1), state.stride(1))  # fmt: skip
-    _walk_kernel[(num_qb, num_heads)](
+    walk = dict(WALK_LAUNCH)
+    qblocks = walk.pop("qblocks")
+    _walk_kernel[(triton.cdiv(num_qb, qblocks), num_heads)](
         query, key, value, out, state[0], state[1], k_desc, v_desc, runs.first, runs.last, runs.count,
         scale, n, num_qb, *strides, group, head_dim,
-        EVEN_D=head_dim == triton.next_power_of_2(head_dim), **common, **WALK_LAUNCH,
+        QBLOCKS=qblocks, EVEN_D=head_dim == triton.next_power_of_2(head_dim), **common, **walk,
     )  # fmt: skip
     _scattered_kernel[(num_qb, num_heads)](
         query, key, value, out, state[0], state[1], key_cols, value_cols, kc_desc, vc_desc,

@@ -33,6 +33,15 @@ def load_path(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=[1, 2], ids=["walk1", "walk2"])
+def walk_qblocks(request, monkeypatch):
+    """Query blocks per program of the diagonal walk (two: the edge blocks are masked by row)."""
+    from tgserve.kernels.sparse import kernel
+
+    monkeypatch.setitem(kernel.WALK_LAUNCH, "qblocks", request.param)
+    return request.param
+
+
 def _qkv(n: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     return [torch.randn(n, h, dim, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads)]
@@ -166,8 +175,28 @@ def test_columns_span_chunks_and_reach_into_the_query_block(device, diagonal_blo
     blocks = torch.randint(-1, nq, (2, nq, 2), generator=gen)
     columns = torch.randperm(n, generator=gen)[:90].view(2, 45)
     q, k, v = (torch.randn(n, h, 32, generator=gen) for h in (2, 1, 1))
-    index = build_index(n, block, cover, blocks, columns)
+    index = build_index(n, block, cover, None, None)
     want = reference.masked_attention(q, k, v, index_to_mask(index), 0.2)
-    moved = build_index(n, block, cover.to(device), blocks.to(device), columns.to(device))
+    moved = build_index(n, block, cover.to(device), None, None)
+    got = sparse_attention_kernel(q.to(device), k.to(device), v.to(device), moved, 0.2)
+    assert max_abs_err(got.cpu(), want) <= 2e-5
+
+
+@pytest.mark.parametrize("n", [140, 150])  # 9 query blocks (the last program half past the end), 10
+def test_walk_over_several_query_blocks(device, n, walk_qblocks, load_path):
+    """Runs of one offset, long runs clamped at key block 0, runs starting past the first query
+    block of a program, with and without the diagonal block: the walk's edge blocks reach only
+    their own rows."""
+    block = 16
+    nq = -(-n // block)
+    cover = torch.zeros(3, nq, dtype=torch.bool)
+    cover[0, [0, 1, 3, 4, 5, 8]] = True  # runs 1, 3-5, 8
+    cover[1, [2, 6]] = True  # two runs of one offset, no diagonal block
+    cover[2, : nq - 1] = True  # one long run from offset 1 reaching key block 0
+    gen = torch.Generator().manual_seed(n)
+    q, k, v = (torch.randn(n, h, 32, generator=gen) for h in (3, 3, 3))
+    index = build_index(n, block, cover, None, None)
+    want = reference.masked_attention(q, k, v, index_to_mask(index), 0.2)
+    moved = build_index(n, block, cover.to(device), None, None)
     got = sparse_attention_kernel(q.to(device), k.to(device), v.to(device), moved, 0.2)
     assert max_abs_err(got.cpu(), want) <= 2e-5
