@@ -28,8 +28,10 @@ from tgserve.kernels.triton_common import attend_tile, dot_precision, interpreti
 # Two stages: H200 replays of 128K indices took 52 ms a layer at three (Triton's default), 41-43 at
 # two; three on the diagonal loop alone gained nothing. kernels/bench/replay_sparse.py times them.
 LAUNCH = {"num_warps": 4, "num_stages": 2}
-# The diagonal walk's own kernel (unmeasured): query blocks per program, warps, pipeline stages.
-WALK_LAUNCH = {"qblocks": 1, "num_warps": 4, "num_stages": 3}
+# The diagonal walk's own kernel: query blocks per program, warps, pipeline stages. H200 replays of
+# 128K indices (ms a layer): 2 blocks / 8 warps / 3 stages 37.9-38.5, 1 / 4 / 3 38.1-39.8,
+# 2 / 8 / 2 43.2-43.4, 1 / 4 / 2 41.1-41.7; the single-launch kernel before the split 39.2-39.8.
+WALK_LAUNCH = {"qblocks": 2, "num_warps": 8, "num_stages": 3}
 USE_DESCRIPTORS = True  # mask-free K/V loads through tensor descriptors where the layout allows
 
 
