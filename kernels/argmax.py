@@ -14,13 +14,15 @@ import torch
 import triton
 import triton.language as tl
 
-from tgserve.kernels.triton_common import interpreting
+from tgserve.kernels.triton_common import interpreting, pdl, wait_for_inputs
 
 CHUNK = 2048  # entries per first-stage program: 63 programs a row at 128K, 8 KiB of fp32 each
 
 
 @triton.jit
-def _chunk_max_kernel(x_ptr, max_ptr, idx_ptr, stride_x, width, chunks, BLOCK: tl.constexpr):
+def _chunk_max_kernel(x_ptr, max_ptr, idx_ptr, stride_x, width, chunks, BLOCK: tl.constexpr,
+                      PDL: tl.constexpr = False):  # fmt: skip
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
@@ -31,7 +33,8 @@ def _chunk_max_kernel(x_ptr, max_ptr, idx_ptr, stride_x, width, chunks, BLOCK: t
 
 
 @triton.jit
-def _row_argmax_kernel(max_ptr, idx_ptr, out_ptr, chunks, BLOCK_C: tl.constexpr):
+def _row_argmax_kernel(max_ptr, idx_ptr, out_ptr, chunks, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     slots = tl.arange(0, BLOCK_C)
     vals = tl.load(max_ptr + row * chunks + slots, mask=slots < chunks, other=float("-inf"))
@@ -53,8 +56,8 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     part_max = torch.empty(rows, chunks, dtype=torch.float32, device=x.device)
     part_idx = torch.empty(rows, chunks, dtype=torch.int32, device=x.device)
     _chunk_max_kernel[(rows, chunks)](x, part_max, part_idx, x.stride(0), width, chunks, BLOCK=block,
-                                      num_warps=4)  # fmt: skip
+                                      num_warps=4, **pdl(x))  # fmt: skip
     _row_argmax_kernel[(rows,)](
-        part_max, part_idx, out, chunks, BLOCK_C=max(16, triton.next_power_of_2(chunks))
+        part_max, part_idx, out, chunks, BLOCK_C=max(16, triton.next_power_of_2(chunks)), **pdl(x)
     )
     return out

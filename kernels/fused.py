@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tgserve.kernels.triton_common import pdl, wait_for_inputs
+
 # ---- RMSNorm, optionally preceded by the residual add ----
 
 
@@ -35,6 +37,7 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     # Rows are (outer, inner) pairs so that per-head views of a fused QKV output ([T, H, D] with a
     # token stride wider than H * D) need no copy.
@@ -42,6 +45,8 @@ def _rms_norm_kernel(
     outer, inner = row // rows_inner, row % rows_inner
     cols = tl.arange(0, BLOCK_N)
     mask = cols < n
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)  # a weight: readable before the wait
+    wait_for_inputs(PDL)
     x = tl.load(x_ptr + outer * stride_x_outer + inner * stride_x_inner + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + outer * stride_r_outer + inner * stride_r_inner + cols, mask=mask, other=0.0)
@@ -50,7 +55,6 @@ def _rms_norm_kernel(
         tl.store(res_out_ptr + row * n + cols, x, mask=mask)
     xf = x.to(tl.float32)
     normed = (xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / n + eps)).to(x.dtype)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     # fp32 holds the product of two 16-bit floats exactly: one rounding, as torch's promoted multiply.
     out = normed.to(tl.float32) * weight.to(tl.float32)
     tl.store(out_ptr + row * n + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -105,6 +109,7 @@ def _launch_rms_norm(
         HAS_RESIDUAL=residual is not None,
         BLOCK_N=block_n,
         num_warps=_norm_warps(block_n),
+        **pdl(x),
     )
 
 
@@ -185,7 +190,9 @@ def _rotary_kernel(
     half,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     # One launch for queries and keys: programs past the query head blocks take the key heads.
     token = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
@@ -242,7 +249,7 @@ def rotary(
     _rotary_kernel[grid](query, key, cos, sin, q_out, k_out, query.stride(0), query.stride(1), key.stride(0),
                          key.stride(1), cos.stride(0), sin.stride(0), num_q_heads, num_k_heads, q_blocks,
                          head_dim // 2, BLOCK_H=block_h, BLOCK_HALF=block_half,
-                         enable_fp_fusion=False)  # fmt: skip
+                         enable_fp_fusion=False, **pdl(query))  # fmt: skip
     return q_out, k_out
 
 
@@ -250,7 +257,8 @@ def rotary(
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_xt, inter, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_xt, inter, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -277,5 +285,5 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     x = _unit_stride_last(gate_up).reshape(-1, width)
     block = min(SILU_BLOCK, triton.next_power_of_2(inter))
     _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](x, out, x.stride(0), inter, BLOCK=block,
-                                                            num_warps=4 if block >= 512 else 1)  # fmt: skip
+                                                            num_warps=4 if block >= 512 else 1, **pdl(x))  # fmt: skip
     return out

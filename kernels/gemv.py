@@ -17,11 +17,13 @@ import torch
 import triton
 import triton.language as tl
 
+from tgserve.kernels.triton_common import pdl, wait_for_inputs
+
 
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):  # fmt: skip
+                   BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     col_ok = cols < N
@@ -30,6 +32,8 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     ks = tl.arange(0, BLOCK_K)
     w_next = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & (ks < K)[None, :], other=0.0)
+    # The first weight tile is in flight while the kernel before finishes (under PDL).
+    wait_for_inputs(PDL)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         w = w_next
@@ -65,6 +69,6 @@ def skinny_linear(
     _skinny_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
         x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k,
-        num_warps=cfg["num_warps"], num_stages=1,
+        num_warps=cfg["num_warps"], num_stages=1, **pdl(x),
     )  # fmt: skip
     return y

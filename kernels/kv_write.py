@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tgserve.kernels.triton_common import pdl, wait_for_inputs
+
 
 @triton.jit
 def _write_kv_kernel(
@@ -30,7 +32,9 @@ def _write_kv_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     token = tl.program_id(0)
     # int64: slot * strides overflows int32 for caches of more than 2^31 elements.
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -75,4 +79,5 @@ def write_kv(
         BLOCK_SIZE=kv_cache.shape[2],
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        **pdl(key),
     )

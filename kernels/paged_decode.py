@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tgserve.kernels.triton_common import attend_tile, dot_precision, interpreting, pow2
+from tgserve.kernels.triton_common import attend_tile, dot_precision, interpreting, pdl, pow2, wait_for_inputs
 
 
 @triton.jit
@@ -57,7 +57,9 @@ def _decode_kernel(
     PRECISION: tl.constexpr,
     BLOCK_S: tl.constexpr,
     MERGE_ROWS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -259,7 +261,7 @@ def paged_decode(
         BLOCK_SIZE=block_size, BLOCK_G=pow2(group), BLOCK_D=block_d, BLOCK_N=block_n,
         USE_SOFTCAP=softcap is not None, USE_WINDOW=sliding_window is not None,
         SPLIT=splits > 1, PRECISION=dot_precision(query.dtype),
-        BLOCK_S=block_s, MERGE_ROWS=merge_rows,
+        BLOCK_S=block_s, MERGE_ROWS=merge_rows, **pdl(query),
     )  # fmt: skip
     return out
 

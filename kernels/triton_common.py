@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
 import triton.language as tl
+
+try:  # programmatic dependent launch (Hopper and later); older Triton has no device calls for it
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - depends on the Triton version
+    gdc_launch_dependents = gdc_wait = None
 
 LOG2E = 1.4426950408889634
 
@@ -63,6 +71,33 @@ def attend_tile(
     # The rescaled accumulator feeds the second product (accumulated in the MMA, no separate add).
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
     return acc, m_new, l_i
+
+
+@triton.jit
+def wait_for_inputs(PDL: tl.constexpr):
+    """Under programmatic dependent launch (PDL), a kernel may start while the kernel before it
+    still runs: wait here until that kernel has finished and its writes are visible, then let the
+    next kernel launch (it waits the same way, so the chain stays ordered). Before this call a
+    kernel may only read what no recent kernel writes (weights) and write nothing."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+def pdl(tensor: torch.Tensor) -> dict:
+    """Launch arguments for a kernel that calls wait_for_inputs: programmatic dependent launch on
+    CUDA devices of compute capability 9+ (its launch overlaps the previous kernel's tail: a few
+    microseconds a kernel at batch-1 decode), off elsewhere and with TGSERVE_PDL=0."""
+    if tensor.is_cuda and _pdl_on(tensor.device.index or 0):
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
+
+
+@functools.cache
+def _pdl_on(device_index: int) -> bool:
+    if gdc_wait is None or interpreting() or os.environ.get("TGSERVE_PDL", "1") == "0":
+        return False
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -72,3 +72,10 @@ def test_skinny_path_takes_one_row_through_small_weights_only():
     assert not dispatch.takes_skinny_path(torch.empty(4096, 2)[:, :1].t(), o_proj)  # strided row
     x, w, b = torch.randn(1, 8), torch.randn(3, 8), torch.randn(3)
     assert torch.equal(dispatch.linear(x, w, b), torch.nn.functional.linear(x, w, b))
+
+
+def test_programmatic_dependent_launch_is_off_for_cpu_tensors():
+    """Kernels launched for CPU tensors (the interpreter) compile without the PDL waits."""
+    from tgserve.kernels import triton_common
+
+    assert triton_common.pdl(torch.zeros(1)) == {"PDL": False}

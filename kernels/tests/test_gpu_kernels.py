@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tgserve.kernels import dispatch, reference
+from tgserve.kernels import argmax, dispatch, fused, gemv, kv_write, paged_decode, reference, triton_common
 from tgserve.kernels.testing import make_paged_batch, max_abs_err
 
 pytestmark = pytest.mark.gpu
@@ -130,3 +130,58 @@ def test_write_kv_gpu(dtype):
     reference.write_kv(key, value, expected, slots)
     dispatch.write_kv(key, value, cache, slots)
     assert torch.equal(cache, expected)
+
+
+def _decode_layers(x, residual, w, cache, tables, seq_lens, slot, cos, sin, layers=6):
+    """A batch-1 decode step's kernel chain (norms, projections, rotary, KV write, attention,
+    SiLU, argmax) over `layers` layers: every Triton kernel of the chain reads its predecessor's
+    output, so a launch that started reading too early changes the result."""
+    heads, kv_heads, dim = 8, 2, 64
+    for _ in range(layers):
+        h, residual = fused.fused_add_rms_norm(x, residual, w["norm"], 1e-5)
+        qkv = gemv.skinny_linear(h, w["qkv"]).view(1, heads + 2 * kv_heads, dim)
+        q, k = fused.rotary(qkv[:, :heads], qkv[:, heads : heads + kv_heads], cos, sin)
+        kv_write.write_kv(k, qkv[:, heads + kv_heads :], cache, slot)
+        attn = paged_decode.paged_decode(q, cache, tables, seq_lens, dim**-0.5, max_seq_len=4096)
+        h, residual = fused.fused_add_rms_norm(
+            gemv.skinny_linear(attn.view(1, -1), w["o"]), residual, w["norm"], 1e-5
+        )
+        x = gemv.skinny_linear(fused.silu_and_mul(h @ w["gate_up"].T), w["down"])
+    return x, argmax.argmax_rows(gemv.skinny_linear(x, w["head"]))
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="sm_90+"
+)
+def test_programmatic_dependent_launch_chain_in_a_cuda_graph_gpu(monkeypatch):
+    """The chain with PDL, captured in a CUDA graph and replayed, gives exactly the tokens and
+    hidden states of the same kernels launched plainly."""
+    assert triton_common.pdl(torch.empty(1, device="cuda"))["PDL"], "PDL is off on this GPU"
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    hidden, dtype = 512, torch.bfloat16
+
+    def rand(*shape):
+        return (torch.randn(*shape, device="cuda", generator=gen) / shape[-1] ** 0.5).to(dtype)
+
+    w = {"norm": rand(hidden) + 1, "qkv": rand(12 * 64, hidden), "o": rand(hidden, 8 * 64),
+         "gate_up": rand(2 * 1024, hidden), "down": rand(hidden, 1024), "head": rand(32000, hidden)}  # fmt: skip
+    batch = make_paged_batch([1], [300], 8, 2, 64, 16, dtype, "cuda", seed=3)
+    slot = (batch.block_tables[0, 299 // 16] * 16 + 299 % 16).view(1).long()
+    cos, sin = (torch.rand(1, 64, device="cuda", generator=gen).to(dtype) for _ in range(2))
+    x0, res0, cache0 = rand(1, hidden), rand(1, hidden), batch.kv_cache.clone()
+    args = (batch.block_tables, batch.seq_lens, slot, cos, sin)
+
+    with monkeypatch.context() as plain:
+        plain.setattr(triton_common, "_pdl_on", lambda index: False)
+        want = _decode_layers(x0, res0, w, cache0.clone(), batch.block_tables, batch.seq_lens, slot, cos, sin)
+
+    cache = cache0.clone()
+    _decode_layers(x0, res0, w, cache, *args)  # compile and warm up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cache.copy_(cache0)
+        got = _decode_layers(x0, res0, w, cache, *args)
+    for _ in range(20):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
