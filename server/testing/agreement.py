@@ -1,0 +1,130 @@
+"""Greedy-step agreement between the engine and transformers on short chat prompts.
+
+The measure behind the CUDA backend's bf16 acceptance (the engine's tokens against transformers' on
+SmolLM2, 32 prompts), shared by its GPU test and `benchmarks/bf16_agreement.py`. The engine
+generates greedily; transformers then predicts every one of those steps given the same prefix (the
+engine's own tokens, teacher-forced), so one early near-tie does not count against every later step.
+Two ways to ask transformers: one forward over the whole sequence a prompt (`whole_sequence_picks`),
+or its own cached decode loop over the batch, left-padded and one token a step as `generate` runs
+it (`decode_loop_picks`).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from tgserve.server.engine import LLMEngine
+from tgserve.server.sampling_params import SamplingParams
+
+TOPICS = [
+    "the ocean",
+    "photosynthesis",
+    "the Roman empire",
+    "jazz",
+    "volcanoes",
+    "prime numbers",
+    "coffee",
+    "the moon",
+    "honeybees",
+    "chess",
+    "glaciers",
+    "the printing press",
+    "rainbows",
+    "electric cars",
+    "penguins",
+    "the internet",
+    "bread",
+    "earthquakes",
+    "Mozart",
+    "deserts",
+    "tea",
+    "black holes",
+    "bicycles",
+    "the heart",
+    "forests",
+    "democracy",
+    "comets",
+    "cheese",
+    "lighthouses",
+    "gravity",
+    "owls",
+    "the Nile",
+]
+
+
+def chat_prompts(tokenizer, topics: list[str] = TOPICS) -> list[list[int]]:
+    """One chat-templated request a topic: "Write a short paragraph about <topic>."."""
+    return [
+        list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": f"Write a short paragraph about {topic}."}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
+        )
+        for topic in topics
+    ]
+
+
+def engine_greedy(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """The engine's greedy continuations, all prompts submitted at once (batched as served)."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"p{i}", list(prompt), params)
+    outputs: dict[str, list[int]] = {f"p{i}": [] for i in range(len(prompts))}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id].extend(out.new_token_ids)
+    return [outputs[f"p{i}"] for i in range(len(prompts))]
+
+
+@torch.no_grad()
+def whole_sequence_picks(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> list[int]:
+    """The model's argmax at each of `tokens`' positions, from one forward over prompt + tokens."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(prompt) + list(tokens)], device=device)
+    return model(ids).logits[0, len(prompt) - 1 : -1].argmax(-1).tolist()
+
+
+@torch.no_grad()
+def decode_loop_picks(
+    model: torch.nn.Module, prompts: list[list[int]], tokens: list[list[int]]
+) -> list[list[int]]:
+    """The model's argmax at every step of its own cached decode loop: the prompts left-padded into
+    one batch, prefilled together, then one token a row a step, each row fed the engine's token."""
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt, device=device)
+        mask[row, width - len(prompt) :] = 1
+    fed = torch.tensor(tokens, device=device)  # [rows, steps]
+    # transformers is renaming `past_key_values` to `cache` model by model.
+    cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    picks, cache, step_ids = [], None, ids
+    for step in range(fed.shape[1]):
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
+        out = model(
+            input_ids=step_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            **{cache_argument: cache},
+        )
+        cache = out.past_key_values
+        picks.append(out.logits[:, -1].argmax(-1))
+        step_ids = fed[:, step : step + 1]
+        mask = torch.cat([mask, torch.ones_like(step_ids)], dim=1)
+    return torch.stack(picks, dim=1).tolist()
+
+
+def count_agreeing(picks: list[list[int]], tokens: list[list[int]]) -> int:
+    return sum(
+        a == b
+        for row_picks, row in zip(picks, tokens, strict=True)
+        for a, b in zip(row_picks, row, strict=True)
+    )
