@@ -25,8 +25,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from tgserve.kernels.sparse.index import SparseIndex, diagonal_runs
 from tgserve.kernels.triton_common import attend_tile, dot_precision, interpreting, pow2
 
-# Two stages: H200 replays of 128K indices took 52 ms a layer at three (Triton's default), 41-43 at
-# two; three on the diagonal loop alone gained nothing. kernels/bench/replay_sparse.py times them.
+# Pass 2 (diagonal block, listed blocks, columns) at two stages: with three, H200 replays of 128K
+# indices took 46-47 ms a layer against 38-39 at two. kernels/bench/replay_sparse.py times them.
 LAUNCH = {"num_warps": 4, "num_stages": 2}
 # The diagonal walk's own kernel: query blocks per program, warps, pipeline stages. H200 replays of
 # 128K indices (ms a layer): 2 blocks / 8 warps / 3 stages 37.9-38.5, 1 / 4 / 3 38.1-39.8,
