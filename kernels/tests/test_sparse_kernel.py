@@ -175,9 +175,9 @@ def test_columns_span_chunks_and_reach_into_the_query_block(device, diagonal_blo
     blocks = torch.randint(-1, nq, (2, nq, 2), generator=gen)
     columns = torch.randperm(n, generator=gen)[:90].view(2, 45)
     q, k, v = (torch.randn(n, h, 32, generator=gen) for h in (2, 1, 1))
-    index = build_index(n, block, cover, None, None)
+    index = build_index(n, block, cover, blocks, columns)
     want = reference.masked_attention(q, k, v, index_to_mask(index), 0.2)
-    moved = build_index(n, block, cover.to(device), None, None)
+    moved = build_index(n, block, cover.to(device), blocks.to(device), columns.to(device))
     got = sparse_attention_kernel(q.to(device), k.to(device), v.to(device), moved, 0.2)
     assert max_abs_err(got.cpu(), want) <= 2e-5
 
