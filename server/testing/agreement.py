@@ -115,7 +115,7 @@ def decode_loop_picks(
             use_cache=True,
             **{cache_argument: cache},
         )
-        cache = out.past_key_values
+        cache = out["cache"] if "cache" in out.keys() else out.past_key_values
         picks.append(out.logits[:, -1].argmax(-1))
         step_ids = fed[:, step : step + 1]
         mask = torch.cat([mask, torch.ones_like(step_ids)], dim=1)
