@@ -27,7 +27,6 @@ class SparseIndex:
 
     block: int
     seq_len: int
-    diag_count: torch.Tensor  # int32 [H, Q]: how many offsets d <= i (usable by query block i)
     diag_cover: torch.Tensor  # int8 [H, Q]: 1 where block diagonal d is selected
     blocks: torch.Tensor  # int32 [H, Q, B]: listed key blocks (first block_count valid)
     block_count: torch.Tensor  # int32 [H, Q]
@@ -38,14 +37,19 @@ class SparseIndex:
         """Fraction of the causal block matrix the kernel visits (columns counted as blocks)."""
         q = self.diag_cover.shape[1]
         causal_blocks = q * (q + 1) / 2
-        visited = self.diag_count.sum() + self.block_count.sum()
+        visited = self._diagonal_blocks() + self.block_count.sum()
         visited = visited + (self.column_count.sum() / self.block)
         return float(visited) / (causal_blocks * self.diag_cover.shape[0])
 
     def tiles(self) -> int:
         """block x block tiles the kernel computes (column chunks of `block` columns count whole)."""
         chunks = (self.column_count.long() + self.block - 1) // self.block
-        return int(self.diag_count.long().sum() + self.block_count.long().sum() + chunks.sum())
+        return int(self._diagonal_blocks() + self.block_count.long().sum() + chunks.sum())
+
+    def _diagonal_blocks(self) -> torch.Tensor:
+        """Blocks on the selected diagonals over all query blocks: query block i reaches the
+        offsets d <= i, so it counts the cover's prefix up to i."""
+        return self.diag_cover.long().cumsum(dim=1).sum()
 
 
 def num_blocks(seq_len: int, block: int) -> int:
@@ -70,8 +74,7 @@ def build_index(
     heads, nq = diag_cover.shape
     device = diag_cover.device
     qi = torch.arange(nq, device=device)
-    # 1. block diagonals: the kernel walks them from the cover (diagonal_runs); count per query block.
-    diag_count = diag_cover.to(torch.int32).cumsum(dim=1)
+    # 1. block diagonals: the kernel walks them from the cover itself (diagonal_runs).
 
     # 2. listed blocks: drop those on a selected diagonal or above the causal diagonal.
     if blocks is None or blocks.shape[-1] == 0:
@@ -103,7 +106,6 @@ def build_index(
     return SparseIndex(
         block=block,
         seq_len=seq_len,
-        diag_count=diag_count.to(torch.int32).contiguous(),
         diag_cover=diag_cover.to(torch.int8).contiguous(),
         blocks=blocks,
         block_count=block_count.contiguous(),
