@@ -28,10 +28,11 @@ from tgserve.kernels.triton_common import attend_tile, dot_precision, interpreti
 # Pass 2 (diagonal block, listed blocks, columns) at two stages: with three, H200 replays of 128K
 # indices took 46-47 ms a layer against 38-39 at two. kernels/bench/replay_sparse.py times them.
 LAUNCH = {"num_warps": 4, "num_stages": 2}
-# The diagonal walk's own kernel: query blocks per program, warps, pipeline stages. H200 replays of
-# 128K indices (ms a layer): 2 blocks / 8 warps / 3 stages 37.9-38.5, 1 / 4 / 3 38.1-39.8,
-# 2 / 8 / 2 43.2-43.4, 1 / 4 / 2 41.1-41.7; the single-launch kernel before the split 39.2-39.8.
-WALK_LAUNCH = {"qblocks": 2, "num_warps": 8, "num_stages": 3}
+# The diagonal walk's own kernel: query blocks per program, key blocks per unmasked step, warps,
+# pipeline stages. H200 replays of 128K indices (ms a layer, one key block a step): 2 blocks / 8 warps
+# / 3 stages 37.9-38.5, 1 / 4 / 3 38.1-39.8, 2 / 8 / 2 43.2-43.4, 1 / 4 / 2 41.1-41.7; the
+# single-launch kernel before the split 39.2-39.8. Two key blocks a step: unmeasured.
+WALK_LAUNCH = {"qblocks": 2, "key_blocks": 2, "num_warps": 8, "num_stages": 3}
 USE_DESCRIPTORS = True  # mask-free K/V loads through tensor descriptors where the layout allows
 
 
@@ -90,8 +91,9 @@ def _walk_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, max_ptr, sum_ptr, k_desc, v_desc, run_first_ptr, run_last_ptr, run_cnt_ptr,
     sm_scale, n, num_qb, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_st, group, head_dim,
-    BLOCK: tl.constexpr, QBLOCKS: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-    EVEN_D: tl.constexpr, DESC: tl.constexpr,
+    kw_desc, vw_desc,
+    BLOCK: tl.constexpr, QBLOCKS: tl.constexpr, KEY_BLOCKS: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr, EVEN_D: tl.constexpr, DESC: tl.constexpr,
 ):  # fmt: skip
     """Pass 1: the selected block diagonals past the diagonal block, for QBLOCKS query blocks q0 ..
     q1 = q0 + QBLOCKS - 1 at once.
@@ -101,8 +103,9 @@ def _walk_kernel(
     mask, the address advancing one block a step, which Triton pipelines (reading an offset per block
     kept it from that); with QBLOCKS > 1 the few blocks only some rows reach (at most QBLOCKS - 1 at
     each end) are masked by row. Alone in its kernel, the walk keeps the registers and shared memory
-    of a plain flash loop. Stores each row's normalised partial output and its running max and sum
-    (sum 0: no key yet) for pass 2 to continue from.
+    of a plain flash loop. The mask-free blocks go KEY_BLOCKS at a time (kw_desc / vw_desc load
+    that many), an odd one last. Stores each row's normalised partial output and its running max and
+    sum (sum 0: no key yet) for pass 2 to continue from.
     """
     q0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * QBLOCKS  # late query blocks first: a lighter tail
     q1 = q0 + QBLOCKS - 1
@@ -127,7 +130,12 @@ def _walk_kernel(
                 reach = (j >= row_block - b) & (j <= row_block - a)
                 acc, m_i, l_i = _key_block(acc, m_i, l_i, q, tl.where(reach, rows, -1), j, k_ptrs, v_ptrs,
                                            stride_kt, stride_vt, dim_ok, n, sm_scale, BLOCK, PRECISION)  # fmt: skip
-        for start in range(shared_lo * BLOCK, (q0 - a + 1) * BLOCK, BLOCK):
+        wide_end = shared_lo + (q0 - a + 1 - shared_lo) // KEY_BLOCKS * KEY_BLOCKS
+        for start in range(shared_lo * BLOCK, wide_end * BLOCK, KEY_BLOCKS * BLOCK):
+            acc, m_i, l_i = _inner_block(acc, m_i, l_i, q, start, k_ptrs, v_ptrs, stride_kt, stride_vt, dim_ok,
+                                         sm_scale, kw_desc, vw_desc, kv_head * BLOCK_D, KEY_BLOCKS * BLOCK, EVEN_D,
+                                         PRECISION, DESC)  # fmt: skip
+        for start in range(wide_end * BLOCK, (q0 - a + 1) * BLOCK, BLOCK):  # what KEY_BLOCKS left over
             acc, m_i, l_i = _inner_block(acc, m_i, l_i, q, start, k_ptrs, v_ptrs, stride_kt, stride_vt, dim_ok,
                                          sm_scale, k_desc, v_desc, kv_head * BLOCK_D, BLOCK, EVEN_D, PRECISION,
                                          DESC)  # fmt: skip
@@ -233,8 +241,9 @@ def _gather_columns(key: torch.Tensor, value: torch.Tensor, columns: torch.Tenso
     return gathered[0], gathered[1]
 
 
-def _descriptors(key, value, key_cols, value_cols, block: int):
-    """Tensor descriptors for the mask-free loads (TMA on Hopper and later), or None.
+def _descriptors(key, value, key_cols, value_cols, block: int, wide: int):
+    """Tensor descriptors for the mask-free loads (TMA on Hopper and later), or None: keys, values,
+    column keys, column values in blocks of `block` rows, then keys and values in blocks of `wide`.
 
     Keys/values as [n, KV heads x D] (rows of one token side by side), the gathered columns as
     [H x C, D]. Needs a power-of-two head dim, heads adjacent in memory and 16-byte alignment.
@@ -250,7 +259,11 @@ def _descriptors(key, value, key_cols, value_cols, block: int):
                   for t in (key, value)) and head_dim == triton.next_power_of_2(head_dim)  # fmt: skip
     if not aligned:
         return None
-    return tuple(TensorDescriptor(t, shape, strides, [block, head_dim]) for t, shape, strides in views)
+    views += views[:2]
+    rows = [block] * 4 + [wide] * 2
+    return tuple(
+        TensorDescriptor(t, shape, strides, [r, head_dim]) for (t, shape, strides), r in zip(views, rows)
+    )
 
 
 def sparse_attention_kernel(
@@ -273,20 +286,28 @@ def sparse_attention_kernel(
     block = index.block
     runs = diagonal_runs(index.diag_cover)
     key_cols, value_cols = _gather_columns(key, value, index.columns, num_heads, block)
-    descriptors = _descriptors(key, value, key_cols, value_cols, block)
-    k_desc, v_desc, kc_desc, vc_desc = descriptors or (key, value, key_cols, value_cols)
+    walk = dict(WALK_LAUNCH)
+    qblocks, key_blocks = walk.pop("qblocks"), walk.pop("key_blocks")
+    descriptors = _descriptors(key, value, key_cols, value_cols, block, key_blocks * block)
+    k_desc, v_desc, kc_desc, vc_desc, kw_desc, vw_desc = descriptors or (
+        key,
+        value,
+        key_cols,
+        value_cols,
+        key,
+        value,
+    )
     # Pass 1's running max and sum per (head, row); its partial output goes to `out` itself.
     state = torch.empty(2, num_heads, num_qb * block, dtype=torch.float32, device=query.device)
     common = dict(BLOCK=block, BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=dot_precision(query.dtype),
                   DESC=descriptors is not None)  # fmt: skip
     strides = (query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
                out.stride(0), out.stride(1), state.stride(1))  # fmt: skip
-    walk = dict(WALK_LAUNCH)
-    qblocks = walk.pop("qblocks")
     _walk_kernel[(triton.cdiv(num_qb, qblocks), num_heads)](
         query, key, value, out, state[0], state[1], k_desc, v_desc, runs.first, runs.last, runs.count,
-        scale, n, num_qb, *strides, group, head_dim,
-        QBLOCKS=qblocks, EVEN_D=head_dim == triton.next_power_of_2(head_dim), **common, **walk,
+        scale, n, num_qb, *strides, group, head_dim, kw_desc, vw_desc,
+        QBLOCKS=qblocks, KEY_BLOCKS=key_blocks, EVEN_D=head_dim == triton.next_power_of_2(head_dim), **common,
+        **walk,
     )  # fmt: skip
     _scattered_kernel[(num_qb, num_heads)](
         query, key, value, out, state[0], state[1], key_cols, value_cols, kc_desc, vc_desc,

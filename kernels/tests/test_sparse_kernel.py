@@ -33,13 +33,16 @@ def load_path(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture(params=[1, 2], ids=["walk1", "walk2"])
+@pytest.fixture(params=[(1, 1), (2, 1), (1, 2), (2, 2)], ids=["walk1", "walk2", "walk1-wide", "walk2-wide"])
 def walk_qblocks(request, monkeypatch):
-    """Query blocks per program of the diagonal walk (two: the edge blocks are masked by row)."""
+    """Query blocks per program of the diagonal walk (two: the edge blocks are masked by row), and
+    key blocks per mask-free step (two: runs of odd length end with a single block)."""
     from tgserve.kernels.sparse import kernel
 
-    monkeypatch.setitem(kernel.WALK_LAUNCH, "qblocks", request.param)
-    return request.param
+    qblocks, key_blocks = request.param
+    monkeypatch.setitem(kernel.WALK_LAUNCH, "qblocks", qblocks)
+    monkeypatch.setitem(kernel.WALK_LAUNCH, "key_blocks", key_blocks)
+    return qblocks
 
 
 def _qkv(n: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, seed: int = 0):
