@@ -154,13 +154,13 @@ def _walk_kernel(
 
 @triton.jit
 def _scattered_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, max_ptr, sum_ptr, kc_ptr, vc_ptr, kc_desc, vc_desc,
+    q_ptr, k_ptr, v_ptr, out_ptr, max_ptr, sum_ptr, kc_ptr, vc_ptr, kc_desc, vc_desc, k_desc, v_desc,
     cover_ptr, blocks_ptr, block_cnt_ptr, cols_ptr, col_cnt_ptr,
     sm_scale, n, num_qb, max_b, max_c,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_st, stride_ch,
     group, head_dim,
     BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr, PRECISION: tl.constexpr,
-    DESC: tl.constexpr,
+    EVEN_D: tl.constexpr, DESC: tl.constexpr,
 ):  # fmt: skip
     """Pass 2: continues from pass 1's partial with the diagonal block (causally masked), the listed
     key blocks and the gathered columns, and stores the final output."""
@@ -184,11 +184,18 @@ def _scattered_kernel(
         acc, m_i, l_i = _key_block(acc, m_i, l_i, q, rows, qb, k_ptrs, v_ptrs, stride_kt, stride_vt,
                                    dim_ok, n, sm_scale, BLOCK, PRECISION)  # fmt: skip
 
-    # 2. Listed key blocks of this query block (already disjoint from the diagonals).
+    # 2. Listed key blocks of this query block (already disjoint from the diagonals), ascending:
+    # all before the query block, mask-free, except perhaps the last, the query block itself.
     n_listed = tl.load(block_cnt_ptr + hq)
-    for t in range(0, n_listed):
+    last = tl.load(blocks_ptr + hq * max_b + tl.maximum(n_listed - 1, 0))
+    n_before = n_listed - ((n_listed > 0) & (last == qb)).to(tl.int32)
+    for t in range(0, n_before):
         j = tl.load(blocks_ptr + hq * max_b + t)
-        acc, m_i, l_i = _key_block(acc, m_i, l_i, q, rows, j, k_ptrs, v_ptrs, stride_kt, stride_vt,
+        acc, m_i, l_i = _inner_block(acc, m_i, l_i, q, j * BLOCK, k_ptrs, v_ptrs, stride_kt, stride_vt, dim_ok,
+                                     sm_scale, k_desc, v_desc, kv_head * BLOCK_D, BLOCK, EVEN_D, PRECISION,
+                                     DESC)  # fmt: skip
+    if n_before < n_listed:
+        acc, m_i, l_i = _key_block(acc, m_i, l_i, q, rows, qb, k_ptrs, v_ptrs, stride_kt, stride_vt,
                                    dim_ok, n, sm_scale, BLOCK, PRECISION)  # fmt: skip
 
     # 3. Key columns, BLOCK at a time, minus those inside a block walked above. Their keys and
@@ -300,17 +307,16 @@ def sparse_attention_kernel(
     # Pass 1's running max and sum per (head, row); its partial output goes to `out` itself.
     state = torch.empty(2, num_heads, num_qb * block, dtype=torch.float32, device=query.device)
     common = dict(BLOCK=block, BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=dot_precision(query.dtype),
-                  DESC=descriptors is not None)  # fmt: skip
+                  EVEN_D=head_dim == triton.next_power_of_2(head_dim), DESC=descriptors is not None)  # fmt: skip
     strides = (query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
                out.stride(0), out.stride(1), state.stride(1))  # fmt: skip
     _walk_kernel[(triton.cdiv(num_qb, qblocks), num_heads)](
         query, key, value, out, state[0], state[1], k_desc, v_desc, runs.first, runs.last, runs.count,
         scale, n, num_qb, *strides, group, head_dim, kw_desc, vw_desc,
-        QBLOCKS=qblocks, KEY_BLOCKS=key_blocks, EVEN_D=head_dim == triton.next_power_of_2(head_dim), **common,
-        **walk,
+        QBLOCKS=qblocks, KEY_BLOCKS=key_blocks, **common, **walk,
     )  # fmt: skip
     _scattered_kernel[(num_qb, num_heads)](
-        query, key, value, out, state[0], state[1], key_cols, value_cols, kc_desc, vc_desc,
+        query, key, value, out, state[0], state[1], key_cols, value_cols, kc_desc, vc_desc, k_desc, v_desc,
         index.diag_cover, index.blocks, index.block_count, index.columns, index.column_count,
         scale, n, num_qb, index.blocks.shape[2], index.columns.shape[1], *strides, key_cols.stride(0),
         group, head_dim, BLOCK_B=pow2(index.blocks.shape[2], 1), **common, **LAUNCH,
