@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable, Sequence
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 try:  # programmatic dependent launch (Hopper and later); older Triton has no device calls for it
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -114,3 +116,31 @@ def pow2(n: int, minimum: int = 16) -> int:
 def interpreting() -> bool:
     """True under TRITON_INTERPRET=1 (CPU tests): kernels then use tiny tiles to stay fast."""
     return bool(triton.knobs.runtime.interpret)
+
+
+# (kernel name, device index) -> the index of the first launch in its list that fitted there, kept
+# only where it is not the first (so a changed first launch is always tried on a device it fits).
+_fitting_launch: dict[tuple[str, int], int] = {}
+
+
+def launch_fitting(
+    name: str, device: torch.device, launches: Sequence[dict], run: Callable[[dict], None]
+) -> None:
+    """run(launch) with the first of `launches` whose kernel fits this GPU's shared memory.
+
+    Launches are tuned on an H200 (227 KiB of shared memory a block); a GPU with less (A100 163 KiB,
+    Ada 99 KiB) refuses a larger kernel when Triton loads it, before anything runs, with
+    OutOfResources. The next launch is tried then, and the one that fitted is remembered.
+    """
+    key = (name, device.index if device.type == "cuda" and device.index is not None else -1)
+    first = _fitting_launch.get(key, 0)
+    for i in range(first, len(launches)):
+        try:
+            run(launches[i])
+        except OutOfResources:
+            if i == len(launches) - 1:
+                raise
+            continue
+        if i:
+            _fitting_launch[key] = i
+        return

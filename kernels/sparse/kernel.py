@@ -23,16 +23,22 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tgserve.kernels.sparse.index import SparseIndex, diagonal_runs
-from tgserve.kernels.triton_common import attend_tile, dot_precision, interpreting, pow2
+from tgserve.kernels.triton_common import attend_tile, dot_precision, interpreting, launch_fitting, pow2
 
 # Pass 2 (diagonal block, listed blocks, columns) at two stages: with three, H200 replays of 128K
 # indices took 46-47 ms a layer against 38-39 at two. kernels/bench/replay_sparse.py times them.
 LAUNCH = {"num_warps": 4, "num_stages": 2}
 # The diagonal walk's own kernel: query blocks per program, key blocks per unmasked step, warps,
-# pipeline stages. H200 replays of 128K indices (ms a layer, one key block a step): 2 blocks / 8 warps
-# / 3 stages 37.9-38.5, 1 / 4 / 3 38.1-39.8, 2 / 8 / 2 43.2-43.4, 1 / 4 / 2 41.1-41.7; the
-# single-launch kernel before the split 39.2-39.8. Two key blocks a step: unmeasured.
+# pipeline stages. H200 replays of 128K indices (ms a layer): 2 / 2 / 8 / 3 36.8-37.8, with one key
+# block a step 37.9-38.7 (2 stages 39.2-39.6; one query block 41.1-41.7, at 8 warps 54-57).
 WALK_LAUNCH = {"qblocks": 2, "key_blocks": 2, "num_warps": 8, "num_stages": 3}
+# Smaller launches for GPUs with less shared memory a block than the 224 KiB the walk's takes on an
+# H200 (A100 163 KiB, Ada 99 KiB) or pass 2's 81 KiB: tried in order (triton_common.launch_fitting).
+WALK_FALLBACKS = (
+    {"qblocks": 1, "key_blocks": 1, "num_warps": 4, "num_stages": 3},
+    {"qblocks": 1, "key_blocks": 1, "num_warps": 4, "num_stages": 1},
+)
+FALLBACKS = ({"num_warps": 4, "num_stages": 1},)
 USE_DESCRIPTORS = True  # mask-free K/V loads through tensor descriptors where the layout allows
 
 
@@ -248,29 +254,33 @@ def _gather_columns(key: torch.Tensor, value: torch.Tensor, columns: torch.Tenso
     return gathered[0], gathered[1]
 
 
-def _descriptors(key, value, key_cols, value_cols, block: int, wide: int):
-    """Tensor descriptors for the mask-free loads (TMA on Hopper and later), or None: keys, values,
-    column keys, column values in blocks of `block` rows, then keys and values in blocks of `wide`.
+def _kv_loads(key, value, key_cols, value_cols, block: int, wide: int) -> tuple[tuple, bool]:
+    """What the kernels load keys and values through, and whether those are tensor descriptors.
 
-    Keys/values as [n, KV heads x D] (rows of one token side by side), the gathered columns as
-    [H x C, D]. Needs a power-of-two head dim, heads adjacent in memory and 16-byte alignment.
+    Descriptors (TMA on Hopper and later) for keys, values, column keys, column values in blocks of
+    `block` rows, then keys and values in blocks of `wide`; where they do not apply, the same six
+    tensors themselves (loaded through pointers). Keys/values are viewed as [n, KV heads x D] (rows
+    of one token side by side), the gathered columns as [H x C, D]: descriptors need a power-of-two
+    head dim, heads adjacent in memory and 16-byte alignment.
     """
+    plain = (key, value, key_cols, value_cols, key, value)
     if not USE_DESCRIPTORS:
-        return None
+        return plain, False
     n, num_kv_heads, head_dim = key.shape
     if not interpreting() and torch.cuda.get_device_capability(key.device)[0] < 9:
-        return None
+        return plain, False
     views = [(t, [n, num_kv_heads * head_dim], [t.stride(0), 1]) for t in (key, value)]
     views += [(t, [t.shape[0] * t.shape[1], t.shape[2]], [t.shape[2], 1]) for t in (key_cols, value_cols)]
     aligned = all(t.stride(1) == head_dim and t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
                   for t in (key, value)) and head_dim == triton.next_power_of_2(head_dim)  # fmt: skip
     if not aligned:
-        return None
+        return plain, False
     views += views[:2]
     rows = [block] * 4 + [wide] * 2
-    return tuple(
+    descriptors = tuple(
         TensorDescriptor(t, shape, strides, [r, head_dim]) for (t, shape, strides), r in zip(views, rows)
     )
+    return descriptors, True
 
 
 def sparse_attention_kernel(
@@ -293,32 +303,34 @@ def sparse_attention_kernel(
     block = index.block
     runs = diagonal_runs(index.diag_cover)
     key_cols, value_cols = _gather_columns(key, value, index.columns, num_heads, block)
-    walk = dict(WALK_LAUNCH)
-    qblocks, key_blocks = walk.pop("qblocks"), walk.pop("key_blocks")
-    descriptors = _descriptors(key, value, key_cols, value_cols, block, key_blocks * block)
-    k_desc, v_desc, kc_desc, vc_desc, kw_desc, vw_desc = descriptors or (
-        key,
-        value,
-        key_cols,
-        value_cols,
-        key,
-        value,
-    )
     # Pass 1's running max and sum per (head, row); its partial output goes to `out` itself.
     state = torch.empty(2, num_heads, num_qb * block, dtype=torch.float32, device=query.device)
+    (k_desc, v_desc, kc_desc, vc_desc, *_), use_desc = _kv_loads(
+        key, value, key_cols, value_cols, block, block
+    )
     common = dict(BLOCK=block, BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=dot_precision(query.dtype),
-                  EVEN_D=head_dim == triton.next_power_of_2(head_dim), DESC=descriptors is not None)  # fmt: skip
+                  EVEN_D=head_dim == triton.next_power_of_2(head_dim), DESC=use_desc)  # fmt: skip
     strides = (query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
                out.stride(0), out.stride(1), state.stride(1))  # fmt: skip
-    _walk_kernel[(triton.cdiv(num_qb, qblocks), num_heads)](
-        query, key, value, out, state[0], state[1], k_desc, v_desc, runs.first, runs.last, runs.count,
-        scale, n, num_qb, *strides, group, head_dim, kw_desc, vw_desc,
-        QBLOCKS=qblocks, KEY_BLOCKS=key_blocks, **common, **walk,
-    )  # fmt: skip
-    _scattered_kernel[(num_qb, num_heads)](
-        query, key, value, out, state[0], state[1], key_cols, value_cols, kc_desc, vc_desc, k_desc, v_desc,
-        index.diag_cover, index.blocks, index.block_count, index.columns, index.column_count,
-        scale, n, num_qb, index.blocks.shape[2], index.columns.shape[1], *strides, key_cols.stride(0),
-        group, head_dim, BLOCK_B=pow2(index.blocks.shape[2], 1), **common, **LAUNCH,
-    )  # fmt: skip
+
+    def walk(launch: dict) -> None:
+        launch = dict(launch)
+        qblocks, key_blocks = launch.pop("qblocks"), launch.pop("key_blocks")
+        (*_, kw_desc, vw_desc), _ = _kv_loads(key, value, key_cols, value_cols, block, key_blocks * block)
+        _walk_kernel[(triton.cdiv(num_qb, qblocks), num_heads)](
+            query, key, value, out, state[0], state[1], k_desc, v_desc, runs.first, runs.last, runs.count,
+            scale, n, num_qb, *strides, group, head_dim, kw_desc, vw_desc,
+            QBLOCKS=qblocks, KEY_BLOCKS=key_blocks, **common, **launch,
+        )  # fmt: skip
+
+    def scattered(launch: dict) -> None:
+        _scattered_kernel[(num_qb, num_heads)](
+            query, key, value, out, state[0], state[1], key_cols, value_cols, kc_desc, vc_desc, k_desc, v_desc,
+            index.diag_cover, index.blocks, index.block_count, index.columns, index.column_count,
+            scale, n, num_qb, index.blocks.shape[2], index.columns.shape[1], *strides, key_cols.stride(0),
+            group, head_dim, BLOCK_B=pow2(index.blocks.shape[2], 1), **common, **launch,
+        )  # fmt: skip
+
+    launch_fitting("sparse walk", query.device, (WALK_LAUNCH, *WALK_FALLBACKS), walk)
+    launch_fitting("sparse pass 2", query.device, (LAUNCH, *FALLBACKS), scattered)
     return out

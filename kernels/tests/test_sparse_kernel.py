@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from triton.runtime.errors import OutOfResources
 
 from tgserve.kernels import reference
 from tgserve.kernels.sparse import estimate
@@ -183,6 +184,68 @@ def test_columns_span_chunks_and_reach_into_the_query_block(device, diagonal_blo
     moved = build_index(n, block, cover.to(device), blocks.to(device), columns.to(device))
     got = sparse_attention_kernel(q.to(device), k.to(device), v.to(device), moved, 0.2)
     assert max_abs_err(got.cpu(), want) <= 2e-5
+
+
+class _SmallSharedMemory:
+    """A kernel as a GPU with less shared memory than an H200 sees it: launches of more than
+    `max_stages` pipeline stages fail to load with Triton's OutOfResources, before running."""
+
+    def __init__(self, kernel, max_stages: int, tried: list):
+        self.kernel, self.max_stages, self.tried = kernel, max_stages, tried
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.tried.append((kwargs["num_warps"], kwargs["num_stages"]))
+            if kwargs["num_stages"] > self.max_stages:
+                raise OutOfResources(232448, 101376, "shared memory")
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+def test_sparse_kernel_takes_smaller_launches_where_shared_memory_is_short(device, monkeypatch):
+    """The walk's and pass 2's tuned launches refused (as on an Ada GPU): the first smaller launch that
+    loads runs, the output is unchanged, and the next call starts from it."""
+    from tgserve.kernels import triton_common
+    from tgserve.kernels.sparse import kernel
+
+    monkeypatch.setattr(triton_common, "_fitting_launch", {})
+    walk_tried, scattered_tried = [], []
+    monkeypatch.setattr(kernel, "_walk_kernel", _SmallSharedMemory(kernel._walk_kernel, 1, walk_tried))
+    monkeypatch.setattr(
+        kernel, "_scattered_kernel", _SmallSharedMemory(kernel._scattered_kernel, 1, scattered_tried)
+    )
+    n, block = 150, 16
+    q, k, v = _qkv(n, 8, 2, 32, torch.float32, seed=7)
+    index = estimate_index(q, k, 0.2, MIXED * 2, block, last_q=16)
+    want = reference.masked_attention(q, k, v, index_to_mask(index), 0.2)
+    moved = estimate_index(q.to(device), k.to(device), 0.2, MIXED * 2, block, last_q=16)
+    for _ in range(2):
+        got = sparse_attention_kernel(q.to(device), k.to(device), v.to(device), moved, 0.2)
+        assert max_abs_err(got.cpu(), want) <= ATOL[torch.float32]
+    walk_fits, scattered_fits = kernel.WALK_FALLBACKS[-1], kernel.FALLBACKS[-1]
+    # The second call went straight to the launch that fitted.
+    assert walk_tried == _warps_stages(kernel.WALK_LAUNCH, *kernel.WALK_FALLBACKS, walk_fits)
+    assert scattered_tried == _warps_stages(kernel.LAUNCH, scattered_fits, scattered_fits)
+
+
+def _warps_stages(*launches: dict) -> list[tuple[int, int]]:
+    return [(launch["num_warps"], launch["num_stages"]) for launch in launches]
+
+
+def test_launch_fitting_raises_when_no_launch_fits(monkeypatch):
+    from tgserve.kernels import triton_common
+
+    monkeypatch.setattr(triton_common, "_fitting_launch", {})
+
+    def refuse(launch):
+        raise OutOfResources(232448, 101376, "shared memory")
+
+    with pytest.raises(OutOfResources):
+        triton_common.launch_fitting(
+            "kernel", torch.device("cpu"), [{"num_stages": 3}, {"num_stages": 1}], refuse
+        )
+    assert triton_common._fitting_launch == {}
 
 
 @pytest.mark.parametrize("n", [140, 150])  # 9 query blocks (the last program half past the end), 10
