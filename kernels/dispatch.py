@@ -253,11 +253,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return reference.silu_and_mul(gate_up)
 
 
-# One row through a weight of at most this many elements: where cuBLAS splits K and launches a
-# reduction, and the skinny kernel measured faster on an H200 (o_proj of an 8B model: 11.4 against
-# 13.4 us; 3072 x 4096: 9.7 against 11.7). Larger weights, or two rows, stay cuBLAS's
-# (kernels/bench/bench_gemv.py; docs/benchmarks/2026-11-29-decode-launches-h200.md).
-SKINNY_MAX_WEIGHT = 4096 * 4096
+# One row through a weight of at most this many output rows (any input width): where cuBLAS splits K
+# and launches a reduction, the skinny kernel measured faster on an H200 (us in CUDA graphs: o_proj of
+# an 8B model 10.0 against 13.2, down 4096 x 14336 30.6 against 32.1, 3072 x 4096 8.9 against
+# 11.5; batch-1 decode 4.575 -> 4.482 ms a token with down added). Wider weights (qkv 6144 rows:
+# 16.7 against 15.6; gate_up), or two rows (down: 37.9 against 32.1), stay cuBLAS's
+# (kernels/bench/bench_gemv.py; docs/benchmarks/2026-11-30-sparse-wide-walk-h200.md).
+SKINNY_MAX_ROWS = 4096
 
 
 def takes_skinny_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -265,7 +267,7 @@ def takes_skinny_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
         x.dim() == 2
         and x.shape[0] == 1
-        and weight.numel() <= SKINNY_MAX_WEIGHT
+        and weight.shape[0] <= SKINNY_MAX_ROWS
         and x.stride(-1) == 1
         and weight.stride(-1) == 1
     )

@@ -6,7 +6,7 @@ Batch-1 decode runs each projection once per layer inside a CUDA graph, its weig
 (the 8B model's 16 GB cannot stay in the 50 MB L2). So each measurement captures one graph that
 runs the product over enough copies of the weight to exceed L2 (400 MB), and reports the graph's
 time per product. Rows 1 and 2, bf16; shapes of one GPU and of two-way tensor parallelism; each
-kernel setting of the sweep checked against cuBLAS's output. `dispatch.SKINNY_MAX_WEIGHT` is set
+kernel setting of the sweep checked against cuBLAS's output. `dispatch.SKINNY_MAX_ROWS` is set
 from this table.
 """
 

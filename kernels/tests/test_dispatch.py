@@ -60,14 +60,16 @@ def test_fresh_prefill_goes_sparse_only_above_the_threshold():
     assert torch.allclose(windowed, reference.varlen_attention(q, k, v, cu, 0.2, 50), atol=1e-6)
 
 
-def test_skinny_path_takes_one_row_through_small_weights_only():
-    """The measured rule: o_proj-sized weights (and smaller) at batch 1; qkv, gate_up, down and
-    two rows stay cuBLAS's. On CPU, dispatch.linear is F.linear whatever the shape."""
-    o_proj, qkv = torch.empty(4096, 4096), torch.empty(6144, 4096)
+def test_skinny_path_takes_one_row_through_narrow_weights_only():
+    """The measured rule: weights of at most 4096 output rows (o_proj, down) at batch 1; qkv,
+    gate_up and two rows stay cuBLAS's. On CPU, dispatch.linear is F.linear whatever the shape."""
+    o_proj, qkv, gate_up = torch.empty(4096, 4096), torch.empty(6144, 4096), torch.empty(28672, 4096)
     row, rows = torch.empty(1, 4096), torch.empty(2, 4096)
     assert dispatch.takes_skinny_path(row, o_proj)
     assert dispatch.takes_skinny_path(row, torch.empty(3072, 4096))  # qkv under two-way TP
+    assert dispatch.takes_skinny_path(torch.empty(1, 14336), torch.empty(4096, 14336))  # down
     assert not dispatch.takes_skinny_path(row, qkv)
+    assert not dispatch.takes_skinny_path(row, gate_up)
     assert not dispatch.takes_skinny_path(rows, o_proj)
     assert not dispatch.takes_skinny_path(torch.empty(4096, 2)[:, :1].t(), o_proj)  # strided row
     x, w, b = torch.randn(1, 8), torch.randn(3, 8), torch.randn(3)
