@@ -28,7 +28,10 @@ SHAPES = {  # name: (N, K) of the weight
     "o_proj tp2": (4096, 2048),
     "qkv tp2": (3072, 4096),
 }
-SWEEP = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=4) for n, k in itertools.product((4, 8), (512, 1024))]
+SWEEP = [
+    dict(BLOCK_N=n, BLOCK_K=k, num_warps=w)
+    for n, k, w in itertools.product((2, 4, 8, 16), (256, 512, 1024), (4, 8))
+]
 
 
 def graph_us(products: list[Callable[[], object]], replays: int = 10) -> float:
