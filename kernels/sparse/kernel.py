@@ -254,33 +254,34 @@ def _gather_columns(key: torch.Tensor, value: torch.Tensor, columns: torch.Tenso
     return gathered[0], gathered[1]
 
 
-def _kv_loads(key, value, key_cols, value_cols, block: int, wide: int) -> tuple[tuple, bool]:
-    """What the kernels load keys and values through, and whether those are tensor descriptors.
+def _kv_loads(key, value, key_cols, value_cols, block: int) -> tuple[tuple, bool]:
+    """What the kernels load keys, values, column keys and column values through, in blocks of
+    `block` rows, and whether those are tensor descriptors (TMA on Hopper and later) or, where
+    descriptors do not apply, the four tensors themselves (loaded through pointers).
 
-    Descriptors (TMA on Hopper and later) for keys, values, column keys, column values in blocks of
-    `block` rows, then keys and values in blocks of `wide`; where they do not apply, the same six
-    tensors themselves (loaded through pointers). Keys/values are viewed as [n, KV heads x D] (rows
-    of one token side by side), the gathered columns as [H x C, D]: descriptors need a power-of-two
-    head dim, heads adjacent in memory and 16-byte alignment.
+    Descriptors need a power-of-two head dim, heads adjacent in memory and 16-byte alignment.
     """
-    plain = (key, value, key_cols, value_cols, key, value)
+    plain = (key, value, key_cols, value_cols)
     if not USE_DESCRIPTORS:
         return plain, False
-    n, num_kv_heads, head_dim = key.shape
+    head_dim = key.shape[2]
     if not interpreting() and torch.cuda.get_device_capability(key.device)[0] < 9:
         return plain, False
-    views = [(t, [n, num_kv_heads * head_dim], [t.stride(0), 1]) for t in (key, value)]
-    views += [(t, [t.shape[0] * t.shape[1], t.shape[2]], [t.shape[2], 1]) for t in (key_cols, value_cols)]
     aligned = all(t.stride(1) == head_dim and t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
                   for t in (key, value)) and head_dim == triton.next_power_of_2(head_dim)  # fmt: skip
     if not aligned:
         return plain, False
-    views += views[:2]
-    rows = [block] * 4 + [wide] * 2
-    descriptors = tuple(
-        TensorDescriptor(t, shape, strides, [r, head_dim]) for (t, shape, strides), r in zip(views, rows)
-    )
-    return descriptors, True
+    # The gathered columns as [H x C, D].
+    columns = [TensorDescriptor(t, [t.shape[0] * t.shape[1], t.shape[2]], [t.shape[2], 1], [block, head_dim])
+               for t in (key_cols, value_cols)]  # fmt: skip
+    return (_token_rows(key, block), _token_rows(value, block), *columns), True
+
+
+def _token_rows(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A descriptor of keys or values viewed as [n, KV heads x D] (one token's heads side by side),
+    loading `rows` tokens of one head at a time."""
+    n, heads, head_dim = t.shape
+    return TensorDescriptor(t, [n, heads * head_dim], [t.stride(0), 1], [rows, head_dim])
 
 
 def sparse_attention_kernel(
@@ -305,9 +306,7 @@ def sparse_attention_kernel(
     key_cols, value_cols = _gather_columns(key, value, index.columns, num_heads, block)
     # Pass 1's running max and sum per (head, row); its partial output goes to `out` itself.
     state = torch.empty(2, num_heads, num_qb * block, dtype=torch.float32, device=query.device)
-    (k_desc, v_desc, kc_desc, vc_desc, *_), use_desc = _kv_loads(
-        key, value, key_cols, value_cols, block, block
-    )
+    (k_desc, v_desc, kc_desc, vc_desc), use_desc = _kv_loads(key, value, key_cols, value_cols, block)
     common = dict(BLOCK=block, BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=dot_precision(query.dtype),
                   EVEN_D=head_dim == triton.next_power_of_2(head_dim), DESC=use_desc)  # fmt: skip
     strides = (query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
@@ -316,7 +315,8 @@ def sparse_attention_kernel(
     def walk(launch: dict) -> None:
         launch = dict(launch)
         qblocks, key_blocks = launch.pop("qblocks"), launch.pop("key_blocks")
-        (*_, kw_desc, vw_desc), _ = _kv_loads(key, value, key_cols, value_cols, block, key_blocks * block)
+        wide = key_blocks * block  # the mask-free steps' keys
+        kw_desc, vw_desc = (_token_rows(key, wide), _token_rows(value, wide)) if use_desc else (key, value)
         _walk_kernel[(triton.cdiv(num_qb, qblocks), num_heads)](
             query, key, value, out, state[0], state[1], k_desc, v_desc, runs.first, runs.last, runs.count,
             scale, n, num_qb, *strides, group, head_dim, kw_desc, vw_desc,
