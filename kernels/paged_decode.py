@@ -133,8 +133,10 @@ def _decode_kernel(
         counter = counters_ptr + seq * tl.num_programs(1) + kv_head
         arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         if arrived == num_splits - 1:
+            # Only the splits holding some of this sequence's context have anything to merge.
+            used = tl.where(partition > 0, tl.cdiv(ctx, tl.maximum(partition, 1)), 0)
             _merge_splits(part_o_ptr, part_ml_ptr, out_ptr, seq, kv_head * group, seq_slot0, stride_os,
-                          stride_oh, group, head_dim, num_splits, BLOCK_S, BLOCK_D, MERGE_ROWS)  # fmt: skip
+                          stride_oh, group, head_dim, num_splits, used, BLOCK_S, BLOCK_D, MERGE_ROWS)  # fmt: skip
             # Back to zero for the next launch (and every graph replay) without a memset kernel;
             # nothing else touches this counter until this kernel has finished.
             tl.store(counter, 0)
@@ -180,34 +182,45 @@ def _merge_splits(
     group,
     head_dim,
     num_splits,
+    used,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     MERGE_ROWS: tl.constexpr,
 ):
-    """Combine the splits of a group's query heads: weights 2^(m_s - max) rescale each partial.
+    """Combine the first `used` splits of a group's query heads: weights 2^(m_s - max) rescale each
+    partial (the splits past them hold no context).
 
-    MERGE_ROWS heads at a time, all their splits in one load, so the merge costs a few L2 round
-    trips rather than one per split. Loads are .cg: the partials were written by other SMs, and
-    L1 is not coherent with them.
+    MERGE_ROWS heads and BLOCK_S splits a load, the running max, sum and output carried from one
+    load to the next, so a short context (few used splits) costs one L2 round trip, not one per
+    split or per head. Loads are .cg: the partials were written by other SMs, and L1 is not
+    coherent with them.
     """
     rows = tl.arange(0, MERGE_ROWS)
     splits = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, BLOCK_D)
     for r0 in range(0, group, MERGE_ROWS):
         head = head0 + r0 + rows
-        ok = (r0 + rows < group)[:, None] & (splits < num_splits)[None, :]
-        slot = (seq_slot0 + head[:, None]) * num_splits + splits[None, :]
-        m = tl.load(part_ml_ptr + slot * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        ll = tl.load(part_ml_ptr + slot * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
-        o_ptrs = part_o_ptr + slot[:, :, None] * BLOCK_D + dims[None, None, :]
-        o = tl.load(o_ptrs, mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
-        m_max = tl.max(m, 1)
-        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-        w = tl.exp2(m - m_max[:, None])
-        total = tl.sum(w * ll, 1)
-        out = tl.sum(o * w[:, :, None], 1) / tl.where(total == 0.0, 1.0, total)[:, None]
+        row_ok = r0 + rows < group
+        m_run = tl.full([MERGE_ROWS], float("-inf"), dtype=tl.float32)
+        l_run = tl.zeros([MERGE_ROWS], dtype=tl.float32)
+        o_run = tl.zeros([MERGE_ROWS, BLOCK_D], dtype=tl.float32)
+        for s0 in range(0, used, BLOCK_S):
+            ok = row_ok[:, None] & (s0 + splits < used)[None, :]
+            slot = (seq_slot0 + head[:, None]) * num_splits + s0 + splits[None, :]
+            m = tl.load(part_ml_ptr + slot * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            ll = tl.load(part_ml_ptr + slot * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
+            o_ptrs = part_o_ptr + slot[:, :, None] * BLOCK_D + dims[None, None, :]
+            o = tl.load(o_ptrs, mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
+            m_new = tl.maximum(m_run, tl.max(m, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing yet: every weight is 0
+            w = tl.exp2(m - m_safe[:, None])
+            carried = tl.exp2(m_run - m_safe)
+            l_run = l_run * carried + tl.sum(w * ll, 1)
+            o_run = o_run * carried[:, None] + tl.sum(o * w[:, :, None], 1)
+            m_run = m_new
+        out = o_run / tl.where(l_run == 0.0, 1.0, l_run)[:, None]
         out_ptrs = out_ptr + seq * stride_os + head[:, None] * stride_oh + dims[None, :]
-        out_mask = (r0 + rows < group)[:, None] & (dims < head_dim)[None, :]
+        out_mask = row_ok[:, None] & (dims < head_dim)[None, :]
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
@@ -290,8 +303,7 @@ def paged_decode(
         part_o = torch.empty(num_seqs * num_heads * splits, block_d, dtype=torch.float32, device=query.device)
         part_ml = torch.empty(num_seqs * num_heads * splits, 2, dtype=torch.float32, device=query.device)
         counters = split_counters(query.device, num_seqs * num_kv_heads)
-        block_s = triton.next_power_of_2(splits)
-        merge_rows = _merge_rows(group, block_s, block_d)
+        merge_rows, block_s = _merge_tile(group, splits, block_d)
     new_k, new_v, slots = step_kv or (query, query, seq_lens)  # unused placeholders without WRITE
     assert new_k.stride(2) == 1 and new_v.stride(2) == 1
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
@@ -309,7 +321,8 @@ def paged_decode(
     return out
 
 
-def _merge_rows(group: int, block_s: int, block_d: int) -> int:
-    """Heads merged per step: as many as keep the partials tile at 8192 floats (64 registers a
-    thread at 4 warps, what the old merge kernel held at 64 splits of 128 dims)."""
-    return min(triton.next_power_of_2(group), max(1, 8192 // (block_s * block_d)))
+def _merge_tile(group: int, splits: int, block_d: int) -> tuple[int, int]:
+    """(heads, splits) of the merge's loads: the partials tile at most 8192 floats (64 registers a
+    thread at 4 warps); a group's heads together where at least 4 splits still fit beside them."""
+    rows = min(triton.next_power_of_2(group), max(1, 8192 // (4 * block_d)))
+    return rows, min(triton.next_power_of_2(splits), max(1, 8192 // (rows * block_d)))

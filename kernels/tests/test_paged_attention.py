@@ -183,11 +183,15 @@ def test_decode_splits_with_sliding_window(device, dtype, heads, window, softcap
     _check(got, _reference(batch, 0.2, window, softcap), dtype)
 
 
-@pytest.mark.parametrize("heads,head_dim,splits", [((16, 2), 128, 16), ((6, 2), 256, 16), ((6, 2), 32, 3)])
-def test_decode_split_merge_in_row_steps(device, heads, head_dim, splits):
-    """The merge takes a group's heads a few at a time when all their splits would overflow one
-    tile (8 heads in two steps; 3 heads in steps of two), and pads a group of 3 to 4 rows."""
-    batch = make_paged_batch([1, 1], [20, 100], *heads, head_dim, 16, torch.float32, device, seed=13)
+@pytest.mark.parametrize(
+    "heads,head_dim,splits", [((16, 2), 128, 32), ((6, 2), 256, 32), ((32, 1), 128, 32), ((6, 2), 32, 3)]
+)
+def test_decode_split_merge_in_steps(device, heads, head_dim, splits):
+    """The merge loads a few heads and splits at a time and carries its max, sum and output between
+    loads. At 32 splits the 300-token context fills 19 (16-token tiles): a group of 8 heads of 128
+    dims takes 8 splits a load (three loads), 3 heads of 256 take 8 (a padded fourth row), a group
+    of 32 takes two row steps of 16 heads at 4 splits a load; the 20-token context fills 2."""
+    batch = make_paged_batch([1, 1], [20, 300], *heads, head_dim, 16, torch.float32, device, seed=13)
     _check(_split_decode(batch, head_dim**-0.5, splits), _reference(batch, head_dim**-0.5), torch.float32)
 
 
@@ -235,6 +239,19 @@ def test_dispatch_stores_the_step_kv_on_every_path(device, q_lens):
                                    batch.slot_mapping))  # fmt: skip
     _check(got, _reference(batch, 0.3), torch.float32)
     _check_same_cache(cache, batch.kv_cache)
+
+
+def test_merge_tile_fits_the_register_budget():
+    from tgserve.kernels.paged_decode import _merge_tile
+
+    assert _merge_tile(4, 33, 128) == (4, 16)  # Llama-3-8B: all 4 heads, 16 splits a load
+    assert _merge_tile(8, 32, 128) == (8, 8)
+    assert _merge_tile(3, 32, 256) == (4, 8)
+    assert _merge_tile(32, 32, 128) == (16, 4)
+    assert _merge_tile(48, 64, 256) == (8, 4)
+    for group, splits, dims in [(4, 33, 128), (48, 64, 256), (1, 2, 64)]:
+        rows, chunk = _merge_tile(group, splits, dims)
+        assert rows * chunk * dims <= 8192
 
 
 def test_split_counters_are_zero_after_each_launch(device):
