@@ -51,21 +51,27 @@ def paged_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
+    step_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's queries (its last positions) over its paged context.
 
     max_query_len / max_seq_len are optional host-side hints: a pure decode batch
     (max_query_len == 1) takes the split-context decode kernel; max_seq_len sizes its splits.
+    step_kv: this step's (key, value, slot_mapping), stored into the cache first; the decode kernel
+    stores them itself (one launch a layer fewer at batch-1 decode).
     """
+    decode = use_triton(query) and max_query_len == 1 and query.shape[0] == seq_lens.shape[0]
+    if step_kv is not None and not decode:
+        write_kv(step_kv[0], step_kv[1], kv_cache, step_kv[2])
     if not use_triton(query):
         result = reference.paged_attention(query, kv_cache, block_tables, query_start_loc, seq_lens, scale,
                                            sliding_window, softcap)  # fmt: skip
         return result if out is None else out.copy_(result)
-    if max_query_len == 1 and query.shape[0] == seq_lens.shape[0]:
+    if decode:
         from tgserve.kernels.paged_decode import paged_decode
 
         return paged_decode(query, kv_cache, block_tables, seq_lens, scale, sliding_window, softcap, out,
-                            max_seq_len=max_seq_len)  # fmt: skip
+                            max_seq_len=max_seq_len, step_kv=step_kv)  # fmt: skip
     from tgserve.kernels.paged_prefill import paged_prefill
 
     return paged_prefill(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window,

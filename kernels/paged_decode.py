@@ -10,7 +10,8 @@ a per-(sequence, KV head) counter; the split that arrives last merges them all a
 counter. One launch, not two: a separate merge kernel cost about 2.7 us per layer at batch 1 on an
 H200. The grid depends only on tensor shapes, so it can be captured in a CUDA graph; each sequence
 divides its own context among the splits, so a graph sized for long contexts still spreads a short
-one over many programs instead of leaving it to a few.
+one over many programs instead of leaving it to a few. Given the step's keys and values
+(`step_kv`), the kernel also stores them into the cache, so decode needs no separate KV-write launch.
 """
 
 from __future__ import annotations
@@ -33,6 +34,13 @@ def _decode_kernel(
     part_o_ptr,
     part_ml_ptr,
     counters_ptr,
+    new_k_ptr,
+    new_v_ptr,
+    slot_ptr,
+    stride_nkt,
+    stride_nkh,
+    stride_nvt,
+    stride_nvh,
     sm_scale,
     softcap,
     window,
@@ -57,6 +65,7 @@ def _decode_kernel(
     PRECISION: tl.constexpr,
     BLOCK_S: tl.constexpr,
     MERGE_ROWS: tl.constexpr,
+    WRITE: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
@@ -85,6 +94,11 @@ def _decode_kernel(
         first = q_pos - window + 1
         # Tiles wholly before the window are skipped; start stays BLOCK_N-aligned.
         lo = tl.maximum(lo, (tl.maximum(first, 0) // BLOCK_N) * BLOCK_N)
+
+    if WRITE:
+        _store_step_kv(new_k_ptr, new_v_ptr, slot_ptr, k_ptr, v_ptr, seq, kv_head, q_pos, lo, hi, dims, dim_ok,
+                       stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_c_block, stride_c_off,
+                       stride_c_head, BLOCK_SIZE)  # fmt: skip
 
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
@@ -119,8 +133,10 @@ def _decode_kernel(
         counter = counters_ptr + seq * tl.num_programs(1) + kv_head
         arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         if arrived == num_splits - 1:
+            # Only the splits holding some of this sequence's context have anything to merge.
+            used = tl.where(partition > 0, tl.cdiv(ctx, tl.maximum(partition, 1)), 0)
             _merge_splits(part_o_ptr, part_ml_ptr, out_ptr, seq, kv_head * group, seq_slot0, stride_os,
-                          stride_oh, group, head_dim, num_splits, BLOCK_S, BLOCK_D, MERGE_ROWS)  # fmt: skip
+                          stride_oh, group, head_dim, num_splits, used, BLOCK_S, BLOCK_D, MERGE_ROWS)  # fmt: skip
             # Back to zero for the next launch (and every graph replay) without a memset kernel;
             # nothing else touches this counter until this kernel has finished.
             tl.store(counter, 0)
@@ -128,6 +144,29 @@ def _decode_kernel(
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         out_ptrs = out_ptr + seq * stride_os + heads[:, None] * stride_oh + dims[None, :]
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def _store_step_kv(new_k_ptr, new_v_ptr, slot_ptr, k_ptr, v_ptr, seq, kv_head, q_pos, lo, hi, dims, dim_ok,
+                   stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_c_block, stride_c_off, stride_c_head,
+                   BLOCK_SIZE: tl.constexpr):  # fmt: skip
+    """This step's key and value of one (sequence, KV head) into the cache, in place of a launch of
+    their own: the program whose context range holds the query's position stores them and then
+    reads them back with its tiles; no other program reads that position. Slot -1 (padding) is
+    skipped. The barrier puts every thread's store before any thread's load of the same row (a CTA
+    barrier orders global memory within the block)."""
+    slot = tl.load(slot_ptr + seq).to(tl.int64)
+    if (slot >= 0) & (q_pos >= lo) & (q_pos < hi):
+        dst = (
+            (slot // BLOCK_SIZE) * stride_c_block
+            + (slot % BLOCK_SIZE) * stride_c_off
+            + kv_head * stride_c_head
+        )
+        k = tl.load(new_k_ptr + seq * stride_nkt + kv_head * stride_nkh + dims, mask=dim_ok)
+        v = tl.load(new_v_ptr + seq * stride_nvt + kv_head * stride_nvh + dims, mask=dim_ok)
+        tl.store(k_ptr + dst + dims, k.to(k_ptr.dtype.element_ty), mask=dim_ok)
+        tl.store(v_ptr + dst + dims, v.to(v_ptr.dtype.element_ty), mask=dim_ok)
+    tl.debug_barrier()
 
 
 @triton.jit
@@ -143,34 +182,45 @@ def _merge_splits(
     group,
     head_dim,
     num_splits,
+    used,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     MERGE_ROWS: tl.constexpr,
 ):
-    """Combine the splits of a group's query heads: weights 2^(m_s - max) rescale each partial.
+    """Combine the first `used` splits of a group's query heads: weights 2^(m_s - max) rescale each
+    partial (the splits past them hold no context).
 
-    MERGE_ROWS heads at a time, all their splits in one load, so the merge costs a few L2 round
-    trips rather than one per split. Loads are .cg: the partials were written by other SMs, and
-    L1 is not coherent with them.
+    MERGE_ROWS heads and BLOCK_S splits a load, the running max, sum and output carried from one
+    load to the next, so a short context (few used splits) costs one L2 round trip, not one per
+    split or per head. Loads are .cg: the partials were written by other SMs, and L1 is not
+    coherent with them.
     """
     rows = tl.arange(0, MERGE_ROWS)
     splits = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, BLOCK_D)
     for r0 in range(0, group, MERGE_ROWS):
         head = head0 + r0 + rows
-        ok = (r0 + rows < group)[:, None] & (splits < num_splits)[None, :]
-        slot = (seq_slot0 + head[:, None]) * num_splits + splits[None, :]
-        m = tl.load(part_ml_ptr + slot * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        ll = tl.load(part_ml_ptr + slot * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
-        o_ptrs = part_o_ptr + slot[:, :, None] * BLOCK_D + dims[None, None, :]
-        o = tl.load(o_ptrs, mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
-        m_max = tl.max(m, 1)
-        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-        w = tl.exp2(m - m_max[:, None])
-        total = tl.sum(w * ll, 1)
-        out = tl.sum(o * w[:, :, None], 1) / tl.where(total == 0.0, 1.0, total)[:, None]
+        row_ok = r0 + rows < group
+        m_run = tl.full([MERGE_ROWS], float("-inf"), dtype=tl.float32)
+        l_run = tl.zeros([MERGE_ROWS], dtype=tl.float32)
+        o_run = tl.zeros([MERGE_ROWS, BLOCK_D], dtype=tl.float32)
+        for s0 in range(0, used, BLOCK_S):
+            ok = row_ok[:, None] & (s0 + splits < used)[None, :]
+            slot = (seq_slot0 + head[:, None]) * num_splits + s0 + splits[None, :]
+            m = tl.load(part_ml_ptr + slot * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            ll = tl.load(part_ml_ptr + slot * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
+            o_ptrs = part_o_ptr + slot[:, :, None] * BLOCK_D + dims[None, None, :]
+            o = tl.load(o_ptrs, mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
+            m_new = tl.maximum(m_run, tl.max(m, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing yet: every weight is 0
+            w = tl.exp2(m - m_safe[:, None])
+            carried = tl.exp2(m_run - m_safe)
+            l_run = l_run * carried + tl.sum(w * ll, 1)
+            o_run = o_run * carried[:, None] + tl.sum(o * w[:, :, None], 1)
+            m_run = m_new
+        out = o_run / tl.where(l_run == 0.0, 1.0, l_run)[:, None]
         out_ptrs = out_ptr + seq * stride_os + head[:, None] * stride_oh + dims[None, :]
-        out_mask = (r0 + rows < group)[:, None] & (dims < head_dim)[None, :]
+        out_mask = row_ok[:, None] & (dims < head_dim)[None, :]
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
@@ -227,11 +277,14 @@ def paged_decode(
     max_seq_len: int | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
+    step_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Decode attention over the paged cache; returns (or fills) out [num_seqs, num_heads, head_dim].
 
     max_seq_len is a host-side bound on seq_lens used to size the context splits (default: the
-    capacity of the block table, which keeps the launch shape-only for CUDA graphs).
+    capacity of the block table, which keeps the launch shape-only for CUDA graphs). step_kv: this
+    step's (key, value [num_seqs, num_kv_heads, head_dim], slot_mapping [num_seqs]) not yet in the
+    cache; the kernel stores them (as `kv_write.write_kv` would) before it reads them.
     """
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
@@ -250,10 +303,12 @@ def paged_decode(
         part_o = torch.empty(num_seqs * num_heads * splits, block_d, dtype=torch.float32, device=query.device)
         part_ml = torch.empty(num_seqs * num_heads * splits, 2, dtype=torch.float32, device=query.device)
         counters = split_counters(query.device, num_seqs * num_kv_heads)
-        block_s = triton.next_power_of_2(splits)
-        merge_rows = _merge_rows(group, block_s, block_d)
+        merge_rows, block_s = _merge_tile(group, splits, block_d)
+    new_k, new_v, slots = step_kv or (query, query, seq_lens)  # unused placeholders without WRITE
+    assert new_k.stride(2) == 1 and new_v.stride(2) == 1
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
         query, kv_cache[0], kv_cache[1], block_tables, seq_lens, out, part_o, part_ml, counters,
+        new_k, new_v, slots, new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
         scale, softcap or 0.0, sliding_window or 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
@@ -261,12 +316,13 @@ def paged_decode(
         BLOCK_SIZE=block_size, BLOCK_G=pow2(group), BLOCK_D=block_d, BLOCK_N=block_n,
         USE_SOFTCAP=softcap is not None, USE_WINDOW=sliding_window is not None,
         SPLIT=splits > 1, PRECISION=dot_precision(query.dtype),
-        BLOCK_S=block_s, MERGE_ROWS=merge_rows, **pdl(query),
+        BLOCK_S=block_s, MERGE_ROWS=merge_rows, WRITE=step_kv is not None, **pdl(query),
     )  # fmt: skip
     return out
 
 
-def _merge_rows(group: int, block_s: int, block_d: int) -> int:
-    """Heads merged per step: as many as keep the partials tile at 8192 floats (64 registers a
-    thread at 4 warps, what the old merge kernel held at 64 splits of 128 dims)."""
-    return min(triton.next_power_of_2(group), max(1, 8192 // (block_s * block_d)))
+def _merge_tile(group: int, splits: int, block_d: int) -> tuple[int, int]:
+    """(heads, splits) of the merge's loads: the partials tile at most 8192 floats (64 registers a
+    thread at 4 warps); a group's heads together where at least 4 splits still fit beside them."""
+    rows = min(triton.next_power_of_2(group), max(1, 8192 // (4 * block_d)))
+    return rows, min(triton.next_power_of_2(splits), max(1, 8192 // (rows * block_d)))

@@ -183,12 +183,75 @@ def test_decode_splits_with_sliding_window(device, dtype, heads, window, softcap
     _check(got, _reference(batch, 0.2, window, softcap), dtype)
 
 
-@pytest.mark.parametrize("heads,head_dim,splits", [((16, 2), 128, 16), ((6, 2), 256, 16), ((6, 2), 32, 3)])
-def test_decode_split_merge_in_row_steps(device, heads, head_dim, splits):
-    """The merge takes a group's heads a few at a time when all their splits would overflow one
-    tile (8 heads in two steps; 3 heads in steps of two), and pads a group of 3 to 4 rows."""
-    batch = make_paged_batch([1, 1], [20, 100], *heads, head_dim, 16, torch.float32, device, seed=13)
+@pytest.mark.parametrize(
+    "heads,head_dim,splits", [((16, 2), 128, 32), ((6, 2), 256, 32), ((32, 1), 128, 32), ((6, 2), 32, 3)]
+)
+def test_decode_split_merge_in_steps(device, heads, head_dim, splits):
+    """The merge loads a few heads and splits at a time and carries its max, sum and output between
+    loads. At 32 splits the 300-token context fills 19 (16-token tiles): a group of 8 heads of 128
+    dims takes 8 splits a load (three loads), 3 heads of 256 take 8 (a padded fourth row), a group
+    of 32 takes two row steps of 16 heads at 4 splits a load; the 20-token context fills 2."""
+    batch = make_paged_batch([1, 1], [20, 300], *heads, head_dim, 16, torch.float32, device, seed=13)
     _check(_split_decode(batch, head_dim**-0.5, splits), _reference(batch, head_dim**-0.5), torch.float32)
+
+
+def _check_same_cache(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Bit for bit, the spare blocks' NaN poison included."""
+    torch.testing.assert_close(got.cpu(), want.cpu(), rtol=0, atol=0, equal_nan=True)
+
+
+def _without_step_kv(batch, slots: torch.Tensor) -> torch.Tensor:
+    """The batch's cache with the step's slots (those >= 0) poisoned with NaN: a read before the
+    write shows in the output."""
+    cache = batch.kv_cache.clone()
+    cache.view(2, -1, *cache.shape[-2:])[:, slots[slots >= 0].long()] = float("nan")
+    return cache
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("window", [None, 6])
+def test_decode_stores_the_step_kv_before_reading_it(device, dtype, splits, window):
+    """The decode kernel stores the step's key and value itself: the output is attention over the
+    full context and the cache ends as write_kv leaves it. Sequence 1 is padding (slot -1): its
+    cache row is neither written nor needed."""
+    batch = make_paged_batch([1] * 4, [1, 9, 33, 50], 8, 2, 32, 8, dtype, device, seed=21)
+    slots = batch.slot_mapping.clone()
+    slots[1] = -1
+    cache = _without_step_kv(batch, slots)
+    out = torch.full_like(batch.query, float("nan"))
+    paged_decode(batch.query, cache, batch.block_tables, batch.seq_lens, 0.3, window, out=out, num_splits=splits,
+                 step_kv=(batch.key, batch.value, slots))  # fmt: skip
+    _check(out, _reference(batch, 0.3, window), dtype)
+    _check_same_cache(cache, batch.kv_cache)
+
+
+@pytest.mark.parametrize("q_lens", [[1, 1, 1], [3, 1, 2]], ids=["decode", "prefill"])
+def test_dispatch_stores_the_step_kv_on_every_path(device, q_lens):
+    """dispatch.paged_attention with step_kv: the decode kernel stores it, other batches get a
+    write_kv first; either way the result is attention over the full cache."""
+    from tgserve.kernels import dispatch
+
+    batch = make_paged_batch(q_lens, [9, 20, 31], 8, 2, 32, 8, torch.float32, device, seed=22)
+    cache = _without_step_kv(batch, batch.slot_mapping)
+    got = dispatch.paged_attention(batch.query, cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
+                                   0.3, max_query_len=max(q_lens), step_kv=(batch.key, batch.value,
+                                   batch.slot_mapping))  # fmt: skip
+    _check(got, _reference(batch, 0.3), torch.float32)
+    _check_same_cache(cache, batch.kv_cache)
+
+
+def test_merge_tile_fits_the_register_budget():
+    from tgserve.kernels.paged_decode import _merge_tile
+
+    assert _merge_tile(4, 33, 128) == (4, 16)  # Llama-3-8B: all 4 heads, 16 splits a load
+    assert _merge_tile(8, 32, 128) == (8, 8)
+    assert _merge_tile(3, 32, 256) == (4, 8)
+    assert _merge_tile(32, 32, 128) == (16, 4)
+    assert _merge_tile(48, 64, 256) == (8, 4)
+    for group, splits, dims in [(4, 33, 128), (48, 64, 256), (1, 2, 64)]:
+        rows, chunk = _merge_tile(group, splits, dims)
+        assert rows * chunk * dims <= 8192
 
 
 def test_split_counters_are_zero_after_each_launch(device):

@@ -55,9 +55,9 @@ class CudaAttentionBackend(AttentionBackend):
 
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, layer: AttentionLayerParams):
         plan = cuda_step_plan(metadata)
-        dispatch.write_kv(key, value, kv_cache, metadata.slot_mapping)
         window = layer.spec.sliding_window
         if plan.kind == "fresh":
+            dispatch.write_kv(key, value, kv_cache, metadata.slot_mapping)
             return dispatch.fresh_prefill(
                 query,
                 key,
@@ -81,4 +81,5 @@ class CudaAttentionBackend(AttentionBackend):
             layer.softcap,
             max_query_len=plan.max_query_len,
             max_seq_len=plan.max_seq_len,
+            step_kv=(key, value, metadata.slot_mapping),
         )
