@@ -161,7 +161,7 @@ def _walk_kernel(
 @triton.jit
 def _scattered_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, max_ptr, sum_ptr, kc_ptr, vc_ptr, kc_desc, vc_desc, k_desc, v_desc,
-    cover_ptr, blocks_ptr, block_cnt_ptr, cols_ptr, col_cnt_ptr,
+    cover_ptr, cover_cum_ptr, blocks_ptr, block_cnt_ptr, cols_ptr, col_cnt_ptr,
     sm_scale, n, num_qb, max_b, max_c,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_st, stride_ch,
     group, head_dim,
@@ -213,27 +213,51 @@ def _scattered_kernel(
     kc_ptrs = kc_ptr + head * stride_ch + dims[None, :]
     vc_ptrs = vc_ptr + head * stride_ch + dims[None, :]
     first_slot = head * (stride_ch // BLOCK_D)  # this head's first row in the gathered [H x C, D] view
+    head_cols = cols_ptr + head * max_c
     for c0 in range(0, n_cols, BLOCK):
-        idx = c0 + tl.arange(0, BLOCK)
-        ok = idx < n_cols
-        col = tl.load(cols_ptr + head * max_c + idx, mask=ok, other=0)
-        col_block = col // BLOCK
-        on_diag = tl.load(cover_ptr + head * num_qb + qb - col_block, mask=ok, other=1)
-        in_list = tl.sum((col_block[:, None] == listed[None, :]).to(tl.int32), 1)
-        ok = ok & (on_diag == 0) & (in_list == 0)
         # The gathered buffer is padded to whole chunks and BLOCK_D: no load mask at any head dim.
         if DESC:
             k = kc_desc.load([first_slot + c0, 0])
             v = vc_desc.load([first_slot + c0, 0])
         else:
-            slot = idx.to(tl.int64)[:, None] * BLOCK_D
+            slot = (c0 + tl.arange(0, BLOCK)).to(tl.int64)[:, None] * BLOCK_D
             k = tl.load(kc_ptrs + slot)
             v = tl.load(vc_ptrs + slot)
-        mask = ok[None, :] & (col[None, :] <= rows[:, None])
-        acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k, v, mask, sm_scale, 0.0, False, PRECISION)
+        if _clean_chunk(head_cols, c0, n_cols, cover_cum_ptr + head * num_qb, qb, listed, BLOCK):
+            acc, m_i, l_i = attend_tile(
+                acc, m_i, l_i, q, k, v, None, sm_scale, 0.0, False, PRECISION, MASKED=False
+            )
+        else:
+            idx = c0 + tl.arange(0, BLOCK)
+            ok = idx < n_cols
+            col = tl.load(head_cols + idx, mask=ok, other=0)
+            col_block = col // BLOCK
+            on_diag = tl.load(cover_ptr + head * num_qb + qb - col_block, mask=ok, other=1)
+            in_list = tl.sum((col_block[:, None] == listed[None, :]).to(tl.int32), 1)
+            ok = ok & (on_diag == 0) & (in_list == 0)
+            mask = ok[None, :] & (col[None, :] <= rows[:, None])
+            acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k, v, mask, sm_scale, 0.0, False, PRECISION)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+@triton.jit
+def _clean_chunk(head_cols, c0, n_cols, cover_cum, qb, listed, BLOCK: tl.constexpr):
+    """Whether the BLOCK columns from c0 need no mask for query block qb: a whole chunk, every column
+    before the block's first row, none inside a walked diagonal or a listed block. Columns ascend,
+    so the first and last bound the chunk's key blocks lo..hi (diagonal offsets qb - hi .. qb - lo),
+    and the cover's running count says whether any of those offsets was walked."""
+    whole = c0 + BLOCK <= n_cols
+    first = tl.load(head_cols + c0)
+    last = tl.load(head_cols + tl.minimum(c0 + BLOCK, n_cols) - 1)
+    lo, hi = first // BLOCK, last // BLOCK
+    below_hi = qb - hi - 1
+    walked = tl.load(cover_cum + qb - lo) - tl.load(
+        cover_cum + tl.maximum(below_hi, 0), mask=below_hi >= 0, other=0
+    )
+    listed_in = tl.sum(((listed >= lo) & (listed <= hi)).to(tl.int32), 0)
+    return whole & (last < qb * BLOCK) & (walked == 0) & (listed_in == 0)
 
 
 def _gather_columns(key: torch.Tensor, value: torch.Tensor, columns: torch.Tensor, num_heads: int, block: int):  # fmt: skip
@@ -304,6 +328,9 @@ def sparse_attention_kernel(
     block = index.block
     runs = diagonal_runs(index.diag_cover)
     key_cols, value_cols = _gather_columns(key, value, index.columns, num_heads, block)
+    # Per head, how many diagonal offsets up to each one are walked: pass 2 tells from two reads
+    # whether a chunk of columns meets any walked block.
+    cover_cum = index.diag_cover.to(torch.int32).cumsum(1, dtype=torch.int32)
     # Pass 1's running max and sum per (head, row); its partial output goes to `out` itself.
     state = torch.empty(2, num_heads, num_qb * block, dtype=torch.float32, device=query.device)
     (k_desc, v_desc, kc_desc, vc_desc), use_desc = _kv_loads(key, value, key_cols, value_cols, block)
@@ -326,7 +353,7 @@ def sparse_attention_kernel(
     def scattered(launch: dict) -> None:
         _scattered_kernel[(num_qb, num_heads)](
             query, key, value, out, state[0], state[1], key_cols, value_cols, kc_desc, vc_desc, k_desc, v_desc,
-            index.diag_cover, index.blocks, index.block_count, index.columns, index.column_count,
+            index.diag_cover, cover_cum, index.blocks, index.block_count, index.columns, index.column_count,
             scale, n, num_qb, index.blocks.shape[2], index.columns.shape[1], *strides, key_cols.stride(0),
             group, head_dim, BLOCK_B=pow2(index.blocks.shape[2], 1), **common, **launch,
         )  # fmt: skip

@@ -186,6 +186,26 @@ def test_columns_span_chunks_and_reach_into_the_query_block(device, diagonal_blo
     assert max_abs_err(got.cpu(), want) <= 2e-5
 
 
+def test_column_chunks_clear_of_walked_and_listed_blocks_take_the_unmasked_step(device, load_path):
+    """Long column lists well before the late query blocks: most chunks of 16 columns lie wholly
+    before the block, off every walked diagonal and listed block (the mask-free step), others meet
+    a diagonal run, a listed block or the causal edge (masked), in the same program."""
+    n, block, nq = 320, 16, 20
+    cover = torch.zeros(2, nq, dtype=torch.bool)
+    cover[:, :2] = True  # the diagonal block and the one before it
+    cover[1, 9:11] = True  # and, for head 1, a run 9-10 blocks back
+    blocks = torch.full((2, nq, 1), -1)
+    blocks[0, 5:, 0] = torch.arange(nq - 5)  # head 0 lists the block 5 back
+    columns = torch.stack([torch.arange(0, 256, 2)[:100], torch.arange(0, 300, 3)])  # 100 each
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(n, h, 32, generator=gen) for h in (2, 1, 1))
+    index = build_index(n, block, cover, blocks, columns)
+    want = reference.masked_attention(q, k, v, index_to_mask(index), 0.2)
+    moved = build_index(n, block, cover.to(device), blocks.to(device), columns.to(device))
+    got = sparse_attention_kernel(q.to(device), k.to(device), v.to(device), moved, 0.2)
+    assert max_abs_err(got.cpu(), want) <= 2e-5
+
+
 class _SmallSharedMemory:
     """A kernel as a GPU with less shared memory than an H200 sees it: launches of more than
     `max_stages` pipeline stages fail to load with Triton's OutOfResources, before running."""
