@@ -30,6 +30,7 @@ from tgserve.server.sampling_params import SamplingParams
 from tgserve.server.static_shapes.buckets import StaticShapes, StepShape
 from tgserve.server.static_shapes.graphs import StepGraphs
 from tgserve.server.static_shapes.padding import ShapeLog, pad_step, step_shape
+from tgserve.server.step_rows import HostRows, span_slots
 from tgserve.server.transfer import HostCopies, pinned_to, to_device
 
 # A sampled token whose value is still on the device.
@@ -272,9 +273,7 @@ class ModelRunner:
         ]
 
     def _prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
+        ids, positions, slots = HostRows(), HostRows(), HostRows()
         query_start_loc, seq_lens, logits_indices, sampled = [0], [], [], []
         prompt_rows, prompt_indices = PromptLogprobRows(), []
         block_rows = []
@@ -293,9 +292,9 @@ class ModelRunner:
             else:
                 if state.token_ids[end - 1] == PLACEHOLDER:  # only a lone decode token can be in flight
                     raise RuntimeError(f"request {request_id!r} was scheduled past its known tokens")
-                ids.extend(state.token_ids[start:end])
-                positions.extend(range(start, end))
-                slots.extend(state.block_ids[p // bs] * bs + p % bs for p in range(start, end))
+                ids.extend_tensor(torch.tensor(state.token_ids[start:end], dtype=torch.int64))
+                positions.extend_tensor(torch.arange(start, end, dtype=torch.int64))
+                slots.extend_tensor(span_slots(state.block_ids, start, end, bs))
             query_start_loc.append(query_start_loc[-1] + count)
             seq_lens.append(end)
             block_rows.append(state.block_ids)
@@ -312,14 +311,14 @@ class ModelRunner:
             query_start_loc=to_device(query_start_loc, torch.int32, self.device),
             seq_lens=to_device(seq_lens, torch.int32, self.device),
             block_tables=pinned_to(padded_block_table(block_rows), self.device),
-            slot_mapping=to_device(slots, torch.int64, self.device),
+            slot_mapping=slots.to(self.device),
             query_start_loc_cpu=query_start_loc,
             seq_lens_cpu=seq_lens,
             block_size=bs,
         )
         return StepInputs(
-            input_ids=self._fill_in_flight(to_device(ids, torch.int64, self.device), in_flight),
-            positions=to_device(positions, torch.int64, self.device),
+            input_ids=self._fill_in_flight(ids.to(self.device), in_flight),
+            positions=positions.to(self.device),
             logits_indices=to_device(logits_indices + prompt_indices, torch.int64, self.device),
             metadata=metadata,
             sampled_request_ids=sampled,

@@ -1,0 +1,76 @@
+"""Host time to build a step's inputs (token ids, positions, cache slots) before its first kernel.
+
+    python benchmarks/host_prepare.py
+
+Times `ModelRunner._prepare_inputs` on the CPU for (c)'s shape, one 130,944-token prompt, and for a
+(b)-shaped prefill step, 32 prompts of 500 tokens; the forward is skipped (the llama fixture, its
+context raised for the long prompt). Baseline in the same run: the same three columns built token
+by token in Python lists, as the runner built them before. Median of --repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from tgserve.server.engine import EngineArgs, LLMEngine
+from tgserve.server.sampling_params import SamplingParams
+from tgserve.server.testing.fixtures import fixture_path
+
+
+def token_by_token(requests: list[tuple[list[int], list[int]]], block_size: int) -> list[torch.Tensor]:
+    """The baseline: (token ids, block ids) of whole-prompt spans, one Python int at a time."""
+    ids, positions, slots = [], [], []
+    for token_ids, block_ids in requests:
+        ids.extend(token_ids)
+        positions.extend(range(len(token_ids)))
+        slots.extend(block_ids[p // block_size] * block_size + p % block_size for p in range(len(token_ids)))
+    return [torch.tensor(column, dtype=torch.int64) for column in (ids, positions, slots)]
+
+
+def measure(prompt_lens: list[int], repeats: int) -> tuple[float, float]:
+    """(runner ms, token-by-token ms): medians for one prefill step of these prompts."""
+    tokens = sum(prompt_lens)
+    engine = LLMEngine(EngineArgs(model=str(fixture_path("llama")), device="cpu",
+                                  max_num_batched_tokens=tokens, num_blocks=tokens // 16 + 64))  # fmt: skip
+    engine.max_model_len = engine.scheduler._max_len = max(prompt_lens) + 1  # the fixture allows 512
+    runner, runner_s, baseline_s = engine.runner, [], []
+    prepare = runner._prepare_inputs
+
+    def timed(out):  # the step's inputs, built `repeats` times from the same request states
+        spans = [(state.token_ids, state.block_ids) for state in runner.requests.values()]
+        for _ in range(repeats):
+            start = time.perf_counter()
+            inputs = prepare(out)
+            runner_s.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            token_by_token(spans, runner.block_size)
+            baseline_s.append(time.perf_counter() - start)
+        return inputs
+
+    runner._prepare_inputs = timed
+    runner._run = lambda inputs: torch.zeros(inputs.logits_indices.shape[0], engine.vocab_size)
+    for i, n in enumerate(prompt_lens):
+        engine.add_request(f"p{i}", [5 + (i + j) % 500 for j in range(n)],
+                           SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True))  # fmt: skip
+    engine.step()
+    return statistics.median(runner_s) * 1e3, statistics.median(baseline_s) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    print("| step | runner ms | token by token ms (baseline) |\n|---|---|---|")
+    for name, lens in (("one 130,944-token prompt", [130944]), ("32 prompts of 500 tokens", [500] * 32)):
+        runner_ms, baseline_ms = measure(lens, args.repeats)
+        print(f"| {name} | {runner_ms:.1f} | {baseline_ms:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
