@@ -192,6 +192,10 @@ class LLMEngine:
             self.tp.broadcast_object(None)
             for worker in self.workers:
                 worker.join(timeout=30)
+                if worker.exitcode is None:
+                    logger.warning("shard worker %s did not stop within 30 s", worker.name)
+                elif worker.exitcode != 0:
+                    logger.warning("shard worker %s ended with exit code %d", worker.name, worker.exitcode)
             self.workers, self.tp = [], TensorParallel()
             shutdown_tensor_parallel()
 

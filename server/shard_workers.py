@@ -76,6 +76,21 @@ def worker_main(rank: int, args: EngineArgs, init_method: str) -> None:
             shard.runner.collect(in_flight)
         in_flight = launched
     shutdown_tensor_parallel()
+    exit_without_teardown()
+
+
+def exit_without_teardown() -> None:
+    """End this worker now, its output flushed, skipping the interpreter's finalization.
+
+    A gloo thread may still be releasing the last collective's tensors when the loop ends; that
+    takes the GIL, and a thread taking it while the interpreter finalizes is ended by Python inside
+    a C++ destructor: std::terminate, SIGABRT ("terminate called without an active exception"),
+    seen in 2 of 60 start-generate-close cycles on a 2-core host. Nothing is left to clean up.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class WorkerWatch:

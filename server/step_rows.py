@@ -8,8 +8,6 @@ first token.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 
 from tgserve.server.transfer import pinned_to
@@ -28,9 +26,6 @@ class HostRows:
 
     def append(self, value: int) -> None:
         self._run.append(value)
-
-    def extend(self, values: Iterable[int]) -> None:
-        self._run.extend(values)
 
     def extend_tensor(self, values: torch.Tensor) -> None:
         self._close_run()

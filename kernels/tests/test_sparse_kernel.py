@@ -166,6 +166,15 @@ def test_diagonal_runs_reach_each_selected_key_block_once():
             assert sorted(reached) == sorted(want), (h, q)
 
 
+def _assert_kernel_matches_index(device, n, block, cover, blocks, columns, q, k, v):
+    """The kernel over build_index(cover, blocks, columns), on `device`, against the masked reference."""
+    index = build_index(n, block, cover, blocks, columns)
+    want = reference.masked_attention(q, k, v, index_to_mask(index), 0.2)
+    moved = build_index(n, block, *(None if t is None else t.to(device) for t in (cover, blocks, columns)))
+    got = sparse_attention_kernel(q.to(device), k.to(device), v.to(device), moved, 0.2)
+    assert max_abs_err(got.cpu(), want) <= 2e-5
+
+
 @pytest.mark.parametrize("diagonal_block", [False, True])
 def test_columns_span_chunks_and_reach_into_the_query_block(device, diagonal_block, load_path):
     """Many columns (several chunks before each query block, a causal tail inside it), with and
@@ -179,11 +188,7 @@ def test_columns_span_chunks_and_reach_into_the_query_block(device, diagonal_blo
     blocks = torch.randint(-1, nq, (2, nq, 2), generator=gen)
     columns = torch.randperm(n, generator=gen)[:90].view(2, 45)
     q, k, v = (torch.randn(n, h, 32, generator=gen) for h in (2, 1, 1))
-    index = build_index(n, block, cover, blocks, columns)
-    want = reference.masked_attention(q, k, v, index_to_mask(index), 0.2)
-    moved = build_index(n, block, cover.to(device), blocks.to(device), columns.to(device))
-    got = sparse_attention_kernel(q.to(device), k.to(device), v.to(device), moved, 0.2)
-    assert max_abs_err(got.cpu(), want) <= 2e-5
+    _assert_kernel_matches_index(device, n, block, cover, blocks, columns, q, k, v)
 
 
 def test_column_chunks_clear_of_walked_and_listed_blocks_take_the_unmasked_step(device, load_path):
@@ -199,11 +204,7 @@ def test_column_chunks_clear_of_walked_and_listed_blocks_take_the_unmasked_step(
     columns = torch.stack([torch.arange(0, 256, 2)[:100], torch.arange(0, 300, 3)])  # 100 each
     gen = torch.Generator().manual_seed(9)
     q, k, v = (torch.randn(n, h, 32, generator=gen) for h in (2, 1, 1))
-    index = build_index(n, block, cover, blocks, columns)
-    want = reference.masked_attention(q, k, v, index_to_mask(index), 0.2)
-    moved = build_index(n, block, cover.to(device), blocks.to(device), columns.to(device))
-    got = sparse_attention_kernel(q.to(device), k.to(device), v.to(device), moved, 0.2)
-    assert max_abs_err(got.cpu(), want) <= 2e-5
+    _assert_kernel_matches_index(device, n, block, cover, blocks, columns, q, k, v)
 
 
 class _SmallSharedMemory:
@@ -281,8 +282,4 @@ def test_walk_over_several_query_blocks(device, n, walk_qblocks, load_path):
     cover[2, : nq - 1] = True  # one long run from offset 1 reaching key block 0
     gen = torch.Generator().manual_seed(n)
     q, k, v = (torch.randn(n, h, 32, generator=gen) for h in (3, 3, 3))
-    index = build_index(n, block, cover, None, None)
-    want = reference.masked_attention(q, k, v, index_to_mask(index), 0.2)
-    moved = build_index(n, block, cover.to(device), None, None)
-    got = sparse_attention_kernel(q.to(device), k.to(device), v.to(device), moved, 0.2)
-    assert max_abs_err(got.cpu(), want) <= 2e-5
+    _assert_kernel_matches_index(device, n, block, cover, None, None, q, k, v)

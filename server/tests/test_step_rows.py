@@ -24,8 +24,8 @@ def test_host_rows_join_ints_and_tensors_in_order():
     rows.append(7)
     assert len(rows) == 1
     rows.extend_tensor(torch.arange(10, 13))
-    rows.extend([1, 2])
-    rows.append(3)
+    for value in (1, 2, 3):
+        rows.append(value)
     rows.extend_tensor(torch.tensor([42]))
     assert len(rows) == 8
     got = rows.to(torch.device("cpu"))

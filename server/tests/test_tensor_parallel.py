@@ -41,10 +41,18 @@ def prompt_logits(path: str, world_size: int = 1) -> torch.Tensor:
 
 
 def _shard(rank: int, world_size: int, address: str, path: str, results) -> None:
-    from tgserve.server.distributed import init_tensor_parallel
+    import torch.distributed as dist
+
+    from tgserve.server.distributed import init_tensor_parallel, shutdown_tensor_parallel
+    from tgserve.server.shard_workers import exit_without_teardown
 
     init_tensor_parallel(rank, world_size, address, backend="gloo")
     results.put((rank, prompt_logits(path, world_size).numpy()))  # by value: the worker exits first
+    dist.barrier()  # neither rank leaves while the other may still be receiving from it
+    shutdown_tensor_parallel()
+    results.close()
+    results.join_thread()  # the logits are in the pipe
+    exit_without_teardown()  # as the engine's workers end (it says why)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -101,7 +109,9 @@ def test_an_engine_of_two_shards_generates_the_tokens_of_one() -> None:
                     outputs[out.request_id].extend(out.new_token_ids)
             return outputs
         finally:
+            workers = list(engine.workers)
             engine.close()
+            assert [w.exitcode for w in workers] == [0] * (shards - 1)
 
     one = generate(1)
     assert generate(2) == one
