@@ -59,7 +59,10 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.scale = self.head_dim**-0.5
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, keep: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """keep: the rows whose output is used (every row's keys and values are cached)."""
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, H_kv, D]
@@ -68,6 +71,8 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         out = paged_attention(self.layer_idx, q, k, v, self.scale)
+        if keep is not None:
+            out = out[keep]
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -99,18 +104,25 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        keep: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it is added).
 
         The stream's adds are deferred into the next norm (vLLM's layout) so that on CUDA each add
-        and the norm after it are one kernel; the first layer has no pending add.
+        and the norm after it are one kernel; the first layer has no pending add. keep: only these
+        rows go on past the attention kernel (every row's keys and values are cached all the same).
         """
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
+        hidden = self.self_attn(positions, hidden, keep)
+        if keep is not None:
+            residual = residual[keep]
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -125,11 +137,15 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Final hidden states of every token, or with keep of those rows only, in keep's order."""
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
         residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(positions, hidden, residual, keep if i == last else None)
         if residual is None:
             return self.norm(hidden)
         return self.norm(hidden, residual)[0]
@@ -151,7 +167,12 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor
     ) -> torch.Tensor:
-        hidden = self.model(input_ids, positions)[logits_indices]
+        if logits_indices.shape[0] < input_ids.shape[0]:
+            # Rows no logit reads skip the last layer's output projection and MLP (as llama.cpp
+            # prunes its output rows): a 128K-token prompt's first token runs them over one row.
+            hidden = self.model(input_ids, positions, keep=logits_indices)
+        else:  # decode: every row is read
+            hidden = self.model(input_ids, positions)[logits_indices]
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         return lm_head_logits(hidden, weight, self.config.vocab_size)  # [len(logits_indices), vocab]
 

@@ -65,3 +65,30 @@ def test_a_one_token_prompt_has_one_null_entry() -> None:
     llm = LLM(str(fixture_path("llama")), max_num_batched_tokens=64, block_size=8, num_blocks=16)
     out = llm.generate([[7]], SamplingParams(temperature=0.0, max_new_tokens=1, prompt_logprobs=0))[0]
     assert out.prompt_logprobs == [None]
+
+
+def test_last_layer_after_attention_runs_only_for_the_rows_logits_read() -> None:
+    """A step that reads one logit row of a 40-token prompt runs the last layer's output projection
+    and MLP on that row (the other layers on all 40), and its token and log-probabilities equal those of a step that
+    reads every row (prompt log-probabilities on)."""
+    llm = LLM(str(fixture_path("llama")), max_num_batched_tokens=64, block_size=8, num_blocks=64,
+              enable_prefix_caching=False)  # fmt: skip
+    layers = llm.engine.runner.model.model.layers
+    rows = {"first": [], "last": [], "last o_proj": []}
+    layers[0].mlp.register_forward_hook(lambda m, args, out: rows["first"].append(args[0].shape[0]))
+    layers[-1].mlp.register_forward_hook(lambda m, args, out: rows["last"].append(args[0].shape[0]))
+    layers[-1].self_attn.o_proj.register_forward_hook(
+        lambda m, args, out: rows["last o_proj"].append(args[0].shape[0])
+    )
+    prompt = list(range(30, 70))
+    pruned = llm.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=1, logprobs=3))[0]
+    assert rows == {"first": [40], "last": [1], "last o_proj": [1]}
+    for seen in rows.values():
+        seen.clear()
+    every = llm.generate(
+        [prompt], SamplingParams(temperature=0.0, max_new_tokens=1, logprobs=3, prompt_logprobs=1)
+    )
+    assert rows == {"first": [40], "last": [40], "last o_proj": [40]}
+    got, want = pruned.logprobs[0], every[0].logprobs[0]
+    assert got.token_id == want.token_id and got.logprob == pytest.approx(want.logprob, abs=1e-5)
+    assert [i for i, _ in got.top] == [i for i, _ in want.top]
