@@ -32,6 +32,11 @@ def assert_matches(entries: list, prompt: list[int], expected: torch.Tensor, top
         assert [v for _, v in entry.top] == pytest.approx(top_values.tolist(), abs=1e-4)
 
 
+def llama_on_cpu(**engine_args) -> LLM:
+    """The engine on the CPU in fp32, like the reference: on a GPU machine "auto" would pick bf16."""
+    return LLM(str(fixture_path("llama")), device="cpu", **engine_args)
+
+
 @pytest.fixture(scope="module")
 def reference() -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(fixture_path("llama"), **dtype_kwargs(torch.float32)).eval()
@@ -40,7 +45,7 @@ def reference() -> torch.nn.Module:
 def test_prompt_logprobs_match_transformers_across_chunks_and_preemption(reference) -> None:
     # A 32-token budget splits the long prompts into chunks; 14 blocks of 8 cannot hold all four
     # requests at once, so some are preempted and recompute their prompts.
-    llm = LLM(str(fixture_path("llama")), max_num_batched_tokens=32, block_size=8, num_blocks=14)
+    llm = llama_on_cpu(max_num_batched_tokens=32, block_size=8, num_blocks=14)
     prompts = [list(range(5, 5 + n)) for n in (70, 9, 41, 2)]
     params = [SCORED, SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True), SCORED, SCORED]
     outputs = llm.generate(prompts, params)
@@ -51,7 +56,7 @@ def test_prompt_logprobs_match_transformers_across_chunks_and_preemption(referen
 
 
 def test_a_cached_prompt_is_recomputed_for_its_logprobs(reference) -> None:
-    llm = LLM(str(fixture_path("llama")), max_num_batched_tokens=64, block_size=8, num_blocks=64)
+    llm = llama_on_cpu(max_num_batched_tokens=64, block_size=8, num_blocks=64)
     prompt = list(range(30, 70))
     plain = llm.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=2))[0]
     again = llm.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=2))[0]
@@ -62,17 +67,16 @@ def test_a_cached_prompt_is_recomputed_for_its_logprobs(reference) -> None:
 
 
 def test_a_one_token_prompt_has_one_null_entry() -> None:
-    llm = LLM(str(fixture_path("llama")), max_num_batched_tokens=64, block_size=8, num_blocks=16)
+    llm = llama_on_cpu(max_num_batched_tokens=64, block_size=8, num_blocks=16)
     out = llm.generate([[7]], SamplingParams(temperature=0.0, max_new_tokens=1, prompt_logprobs=0))[0]
     assert out.prompt_logprobs == [None]
 
 
 def test_last_layer_after_attention_runs_only_for_the_rows_logits_read() -> None:
     """A step that reads one logit row of a 40-token prompt runs the last layer's output projection
-    and MLP on that row (the other layers on all 40), and its token and log-probabilities equal those of a step that
-    reads every row (prompt log-probabilities on)."""
-    llm = LLM(str(fixture_path("llama")), max_num_batched_tokens=64, block_size=8, num_blocks=64,
-              enable_prefix_caching=False)  # fmt: skip
+    and MLP on that row (the other layers on all 40), and its token and log-probabilities equal
+    those of a step that reads every row (prompt log-probabilities on)."""
+    llm = llama_on_cpu(max_num_batched_tokens=64, block_size=8, num_blocks=64, enable_prefix_caching=False)
     layers = llm.engine.runner.model.model.layers
     rows = {"first": [], "last": [], "last o_proj": []}
     layers[0].mlp.register_forward_hook(lambda m, args, out: rows["first"].append(args[0].shape[0]))
