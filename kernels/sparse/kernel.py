@@ -27,18 +27,21 @@ from tgserve.kernels.triton_common import attend_tile, dot_precision, interpreti
 
 # Pass 2 (diagonal block, listed blocks, columns) at two stages: with three, H200 replays of 128K
 # indices took 46-47 ms a layer against 38-39 at two. kernels/bench/replay_sparse.py times them.
-LAUNCH = {"num_warps": 4, "num_stages": 2}
+# column_blocks: gathered key columns a step, in blocks. Replays of 128K indices on an H200, ms a
+# layer: 2 (128 columns) 33.5-34.1, 1 (64) 35.6-36.3; two query blocks a program sharing the
+# columns spill registers and lose (38-40).
+LAUNCH = {"num_warps": 4, "num_stages": 2, "column_blocks": 2}
 # The diagonal walk's own kernel: query blocks per program, key blocks per unmasked step, warps,
 # pipeline stages. H200 replays of 128K indices (ms a layer): 2 / 2 / 8 / 3 36.8-37.8, with one key
 # block a step 37.9-38.7 (2 stages 39.2-39.6; one query block 41.1-41.7, at 8 warps 54-57).
 WALK_LAUNCH = {"qblocks": 2, "key_blocks": 2, "num_warps": 8, "num_stages": 3}
 # Smaller launches for GPUs with less shared memory a block than the 224 KiB the walk's takes on an
-# H200 (A100 163 KiB, Ada 99 KiB) or pass 2's 81 KiB: tried in order (triton_common.launch_fitting).
+# H200 (A100 163 KiB, Ada 99 KiB) or pass 2's 88 KiB: tried in order (triton_common.launch_fitting).
 WALK_FALLBACKS = (
     {"qblocks": 1, "key_blocks": 1, "num_warps": 4, "num_stages": 3},
     {"qblocks": 1, "key_blocks": 1, "num_warps": 4, "num_stages": 1},
 )
-FALLBACKS = ({"num_warps": 4, "num_stages": 1},)
+FALLBACKS = ({"num_warps": 4, "num_stages": 1, "column_blocks": 1},)
 USE_DESCRIPTORS = True  # mask-free K/V loads through tensor descriptors where the layout allows
 
 
@@ -166,10 +169,10 @@ def _scattered_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_st, stride_ch,
     group, head_dim,
     BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr, PRECISION: tl.constexpr,
-    EVEN_D: tl.constexpr, DESC: tl.constexpr,
+    EVEN_D: tl.constexpr, DESC: tl.constexpr, COLS: tl.constexpr,
 ):  # fmt: skip
     """Pass 2: continues from pass 1's partial with the diagonal block (causally masked), the listed
-    key blocks and the gathered columns, and stores the final output."""
+    key blocks and the gathered columns (COLS a step), and stores the final output."""
     qb = num_qb - 1 - tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // group
@@ -204,7 +207,7 @@ def _scattered_kernel(
         acc, m_i, l_i = _key_block(acc, m_i, l_i, q, rows, qb, k_ptrs, v_ptrs, stride_kt, stride_vt,
                                    dim_ok, n, sm_scale, BLOCK, PRECISION)  # fmt: skip
 
-    # 3. Key columns, BLOCK at a time, minus those inside a block walked above. Their keys and
+    # 3. Key columns, COLS at a time, minus those inside a block walked above. Their keys and
     # values were gathered per head beforehand (`_gather_columns`), so these loads advance
     # contiguously and pipeline; only the masks read the column positions.
     n_cols = tl.load(col_cnt_ptr + hq)
@@ -214,21 +217,21 @@ def _scattered_kernel(
     vc_ptrs = vc_ptr + head * stride_ch + dims[None, :]
     first_slot = head * (stride_ch // BLOCK_D)  # this head's first row in the gathered [H x C, D] view
     head_cols = cols_ptr + head * max_c
-    for c0 in range(0, n_cols, BLOCK):
+    for c0 in range(0, n_cols, COLS):
         # The gathered buffer is padded to whole chunks and BLOCK_D: no load mask at any head dim.
         if DESC:
             k = kc_desc.load([first_slot + c0, 0])
             v = vc_desc.load([first_slot + c0, 0])
         else:
-            slot = (c0 + tl.arange(0, BLOCK)).to(tl.int64)[:, None] * BLOCK_D
+            slot = (c0 + tl.arange(0, COLS)).to(tl.int64)[:, None] * BLOCK_D
             k = tl.load(kc_ptrs + slot)
             v = tl.load(vc_ptrs + slot)
-        if _clean_chunk(head_cols, c0, n_cols, cover_cum_ptr + head * num_qb, qb, listed, BLOCK):
+        if _clean_chunk(head_cols, c0, n_cols, cover_cum_ptr + head * num_qb, qb, listed, BLOCK, COLS):
             acc, m_i, l_i = attend_tile(
                 acc, m_i, l_i, q, k, v, None, sm_scale, 0.0, False, PRECISION, MASKED=False
             )
         else:
-            idx = c0 + tl.arange(0, BLOCK)
+            idx = c0 + tl.arange(0, COLS)
             ok = idx < n_cols
             col = tl.load(head_cols + idx, mask=ok, other=0)
             col_block = col // BLOCK
@@ -243,14 +246,14 @@ def _scattered_kernel(
 
 
 @triton.jit
-def _clean_chunk(head_cols, c0, n_cols, cover_cum, qb, listed, BLOCK: tl.constexpr):
-    """Whether the BLOCK columns from c0 need no mask for query block qb: a whole chunk, every column
+def _clean_chunk(head_cols, c0, n_cols, cover_cum, qb, listed, BLOCK: tl.constexpr, COLS: tl.constexpr):
+    """Whether the COLS columns from c0 need no mask for query block qb: a whole chunk, every column
     before the block's first row, none inside a walked diagonal or a listed block. Columns ascend,
     so the first and last bound the chunk's key blocks lo..hi (diagonal offsets qb - hi .. qb - lo),
     and the cover's running count says whether any of those offsets was walked."""
-    whole = c0 + BLOCK <= n_cols
+    whole = c0 + COLS <= n_cols
     first = tl.load(head_cols + c0)
-    last = tl.load(head_cols + tl.minimum(c0 + BLOCK, n_cols) - 1)
+    last = tl.load(head_cols + tl.minimum(c0 + COLS, n_cols) - 1)
     lo, hi = first // BLOCK, last // BLOCK
     below_hi = qb - hi - 1
     walked = tl.load(cover_cum + qb - lo) - tl.load(
@@ -260,14 +263,14 @@ def _clean_chunk(head_cols, c0, n_cols, cover_cum, qb, listed, BLOCK: tl.constex
     return whole & (last < qb * BLOCK) & (walked == 0) & (listed_in == 0)
 
 
-def _gather_columns(key: torch.Tensor, value: torch.Tensor, columns: torch.Tensor, num_heads: int, block: int):  # fmt: skip
-    """Each query head's column keys and values, contiguous: [H, C rounded up to block, pow2(D)].
+def _gather_columns(key: torch.Tensor, value: torch.Tensor, columns: torch.Tensor, num_heads: int, chunk: int):  # fmt: skip
+    """Each query head's column keys and values, contiguous: [H, C rounded up to chunk, pow2(D)].
 
     Padded rows (columns past the sequence, the rounding) repeat the last key and the kernel masks
     them; padded dims are zeros, which add nothing to a score and are never stored.
     """
     n, num_kv_heads, head_dim = key.shape
-    width = -(-columns.shape[1] // block) * block
+    width = -(-columns.shape[1] // chunk) * chunk
     positions = torch.nn.functional.pad(columns, (0, width - columns.shape[1]), value=n)
     positions = positions.clamp(max=n - 1).long()
     kv_heads = (torch.arange(num_heads, device=key.device) // (num_heads // num_kv_heads))[:, None]
@@ -278,27 +281,21 @@ def _gather_columns(key: torch.Tensor, value: torch.Tensor, columns: torch.Tenso
     return gathered[0], gathered[1]
 
 
-def _kv_loads(key, value, key_cols, value_cols, block: int) -> tuple[tuple, bool]:
-    """What the kernels load keys, values, column keys and column values through, in blocks of
-    `block` rows, and whether those are tensor descriptors (TMA on Hopper and later) or, where
-    descriptors do not apply, the four tensors themselves (loaded through pointers).
-
-    Descriptors need a power-of-two head dim, heads adjacent in memory and 16-byte alignment.
-    """
-    plain = (key, value, key_cols, value_cols)
+def _descriptors_apply(key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether the kernels load keys and values through tensor descriptors (TMA on Hopper and
+    later) rather than pointers: a power-of-two head dim, heads adjacent in memory, 16-byte alignment."""
     if not USE_DESCRIPTORS:
-        return plain, False
+        return False
     head_dim = key.shape[2]
     if not interpreting() and torch.cuda.get_device_capability(key.device)[0] < 9:
-        return plain, False
-    aligned = all(t.stride(1) == head_dim and t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
-                  for t in (key, value)) and head_dim == triton.next_power_of_2(head_dim)  # fmt: skip
-    if not aligned:
-        return plain, False
-    # The gathered columns as [H x C, D].
-    columns = [TensorDescriptor(t, [t.shape[0] * t.shape[1], t.shape[2]], [t.shape[2], 1], [block, head_dim])
-               for t in (key_cols, value_cols)]  # fmt: skip
-    return (_token_rows(key, block), _token_rows(value, block), *columns), True
+        return False
+    return all(t.stride(1) == head_dim and t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
+               for t in (key, value)) and head_dim == triton.next_power_of_2(head_dim)  # fmt: skip
+
+
+def _column_rows(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A descriptor of gathered columns [H, C, D] viewed as [H x C, D], `rows` columns at a time."""
+    return TensorDescriptor(t, [t.shape[0] * t.shape[1], t.shape[2]], [t.shape[2], 1], [rows, t.shape[2]])
 
 
 def _token_rows(t: torch.Tensor, rows: int) -> TensorDescriptor:
@@ -327,13 +324,16 @@ def sparse_attention_kernel(
     num_qb = index.diag_cover.shape[1]
     block = index.block
     runs = diagonal_runs(index.diag_cover)
-    key_cols, value_cols = _gather_columns(key, value, index.columns, num_heads, block)
+    # Padded to whole steps of any launch's columns (a few rows more than one launch needs).
+    column_step = block * max(launch["column_blocks"] for launch in (LAUNCH, *FALLBACKS))
+    key_cols, value_cols = _gather_columns(key, value, index.columns, num_heads, column_step)
     # Per head, how many diagonal offsets up to each one are walked: pass 2 tells from two reads
     # whether a chunk of columns meets any walked block.
     cover_cum = index.diag_cover.to(torch.int32).cumsum(1, dtype=torch.int32)
     # Pass 1's running max and sum per (head, row); its partial output goes to `out` itself.
     state = torch.empty(2, num_heads, num_qb * block, dtype=torch.float32, device=query.device)
-    (k_desc, v_desc, kc_desc, vc_desc), use_desc = _kv_loads(key, value, key_cols, value_cols, block)
+    use_desc = _descriptors_apply(key, value)
+    k_desc, v_desc = (_token_rows(key, block), _token_rows(value, block)) if use_desc else (key, value)
     common = dict(BLOCK=block, BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=dot_precision(query.dtype),
                   EVEN_D=head_dim == triton.next_power_of_2(head_dim), DESC=use_desc)  # fmt: skip
     strides = (query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
@@ -351,11 +351,18 @@ def sparse_attention_kernel(
         )  # fmt: skip
 
     def scattered(launch: dict) -> None:
+        launch = dict(launch)
+        cols = launch.pop("column_blocks") * block
+        kc_desc, vc_desc = (
+            (_column_rows(key_cols, cols), _column_rows(value_cols, cols))
+            if use_desc
+            else (key_cols, value_cols)
+        )
         _scattered_kernel[(num_qb, num_heads)](
             query, key, value, out, state[0], state[1], key_cols, value_cols, kc_desc, vc_desc, k_desc, v_desc,
             index.diag_cover, cover_cum, index.blocks, index.block_count, index.columns, index.column_count,
             scale, n, num_qb, index.blocks.shape[2], index.columns.shape[1], *strides, key_cols.stride(0),
-            group, head_dim, BLOCK_B=pow2(index.blocks.shape[2], 1), **common, **launch,
+            group, head_dim, BLOCK_B=pow2(index.blocks.shape[2], 1), COLS=cols, **common, **launch,
         )  # fmt: skip
 
     launch_fitting("sparse walk", query.device, (WALK_LAUNCH, *WALK_FALLBACKS), walk)

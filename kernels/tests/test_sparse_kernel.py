@@ -34,6 +34,16 @@ def load_path(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=[1, 2], ids=["cols1", "cols2"])
+def column_blocks(request, monkeypatch):
+    """Key columns a step in pass 2, in blocks: two blocks' worth of columns per step span more key
+    blocks, so fewer chunks are clean and a chunk's tail more often runs past the column list."""
+    from tgserve.kernels.sparse import kernel
+
+    monkeypatch.setitem(kernel.LAUNCH, "column_blocks", request.param)
+    return request.param
+
+
 @pytest.fixture(params=[(1, 1), (2, 1), (1, 2), (2, 2)], ids=["walk1", "walk2", "walk1-wide", "walk2-wide"])
 def walk_qblocks(request, monkeypatch):
     """Query blocks per program of the diagonal walk (two: the edge blocks are masked by row), and
@@ -53,7 +63,7 @@ def _qkv(n: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, seed: 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (16, 2), (8, 1)])  # GQA 1, 4, 8, MQA
-def test_sparse_kernel_matches_masked_reference(device, dtype, heads, kv_heads, load_path):
+def test_sparse_kernel_matches_masked_reference(device, dtype, heads, kv_heads, load_path, column_blocks):
     """Mixed per-head patterns in one launch; n = 150 leaves a ragged last block of 16."""
     n, block = 150, 16
     q, k, v = _qkv(n, heads, kv_heads, 32, dtype, seed=heads + kv_heads)
@@ -176,7 +186,7 @@ def _assert_kernel_matches_index(device, n, block, cover, blocks, columns, q, k,
 
 
 @pytest.mark.parametrize("diagonal_block", [False, True])
-def test_columns_span_chunks_and_reach_into_the_query_block(device, diagonal_block, load_path):
+def test_columns_span_chunks_and_reach_into_the_query_block(device, diagonal_block, load_path, column_blocks):
     """Many columns (several chunks before each query block, a causal tail inside it), with and
     without the diagonal block selected; listed blocks and diagonals hold some of the columns."""
     n, block, nq = 150, 16, 10
@@ -191,7 +201,9 @@ def test_columns_span_chunks_and_reach_into_the_query_block(device, diagonal_blo
     _assert_kernel_matches_index(device, n, block, cover, blocks, columns, q, k, v)
 
 
-def test_column_chunks_clear_of_walked_and_listed_blocks_take_the_unmasked_step(device, load_path):
+def test_column_chunks_clear_of_walked_and_listed_blocks_take_the_unmasked_step(
+    device, load_path, column_blocks
+):
     """Long column lists well before the late query blocks: most chunks of 16 columns lie wholly
     before the block, off every walked diagonal and listed block (the mask-free step), others meet
     a diagonal run, a listed block or the causal edge (masked), in the same program."""
