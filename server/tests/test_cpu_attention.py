@@ -141,3 +141,24 @@ def test_kept_rows_match_dense(backend_name, case, window, softcap):
         contexts, q_lens, 8, 2, 16, 4, window, softcap, seed=7, backend=backend, rows=rows
     )
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_kept_rows_of_the_memory_profiling_step_stay_in_the_placeholder_cache():
+    """The KV pool is sized by running the largest prompt step over a one-block placeholder cache;
+    the cuda backend reads that cache for the last layer's kept rows, so the step's block tables
+    must name a block for every position (they named one per sequence, and the GPU read past them)."""
+    from tgserve.server.attention.cuda import CudaAttentionBackend
+    from tgserve.server.memory import dummy_prefill_metadata
+
+    block_size, num_kv, dim = 4, 2, 16
+    meta = dummy_prefill_metadata(
+        num_tokens=37, num_seqs=3, block_size=block_size, device=torch.device("cpu")
+    )
+    assert meta.block_tables.shape == (3, math.ceil(max(meta.seq_lens_cpu) / block_size))
+    assert not meta.block_tables.any()
+    cache = torch.zeros(2, 1, block_size, num_kv, dim)
+    query, key, value = torch.randn(37, 8, dim), torch.randn(37, num_kv, dim), torch.randn(37, num_kv, dim)
+    layer = AttentionLayerParams(KVCacheSpec(num_kv, dim, torch.float32, None), dim**-0.5, None)
+    rows = meta.query_start_loc[1:].long() - 1
+    out = CudaAttentionBackend().forward_rows(query, key, value, cache, meta, layer, rows)
+    assert out.shape == (3, 8, dim) and out.isfinite().all()
