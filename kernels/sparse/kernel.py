@@ -169,7 +169,7 @@ def _scattered_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_st, stride_ch,
     group, head_dim,
     BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr, PRECISION: tl.constexpr,
-    EVEN_D: tl.constexpr, DESC: tl.constexpr, COLS: tl.constexpr,
+    EVEN_D: tl.constexpr, DESC: tl.constexpr, COLS: tl.constexpr, CHUNKS: tl.constexpr,
 ):  # fmt: skip
     """Pass 2: continues from pass 1's partial with the diagonal block (causally masked), the listed
     key blocks and the gathered columns (COLS a step), and stores the final output."""
@@ -217,6 +217,9 @@ def _scattered_kernel(
     vc_ptrs = vc_ptr + head * stride_ch + dims[None, :]
     first_slot = head * (stride_ch // BLOCK_D)  # this head's first row in the gathered [H x C, D] view
     head_cols = cols_ptr + head * max_c
+    if CHUNKS <= 32:  # every chunk's mask-free test up front: the branch below waits on no load
+        clean_bits = _clean_chunk_bits(head_cols, n_cols, cover_cum_ptr + head * num_qb, qb, listed, BLOCK, COLS,
+                                       CHUNKS)  # fmt: skip
     for c0 in range(0, n_cols, COLS):
         # The gathered buffer is padded to whole chunks and BLOCK_D: no load mask at any head dim.
         if DESC:
@@ -226,7 +229,13 @@ def _scattered_kernel(
             slot = (c0 + tl.arange(0, COLS)).to(tl.int64)[:, None] * BLOCK_D
             k = tl.load(kc_ptrs + slot)
             v = tl.load(vc_ptrs + slot)
-        if _clean_chunk(head_cols, c0, n_cols, cover_cum_ptr + head * num_qb, qb, listed, BLOCK, COLS):
+        if CHUNKS <= 32:
+            clean = ((clean_bits >> (c0 // COLS)) & 1) != 0
+        else:
+            clean = _clean_chunk(
+                head_cols, c0, n_cols, cover_cum_ptr + head * num_qb, qb, listed, BLOCK, COLS
+            )
+        if clean:
             acc, m_i, l_i = attend_tile(
                 acc, m_i, l_i, q, k, v, None, sm_scale, 0.0, False, PRECISION, MASKED=False
             )
@@ -261,6 +270,26 @@ def _clean_chunk(head_cols, c0, n_cols, cover_cum, qb, listed, BLOCK: tl.constex
     )
     listed_in = tl.sum(((listed >= lo) & (listed <= hi)).to(tl.int32), 0)
     return whole & (last < qb * BLOCK) & (walked == 0) & (listed_in == 0)
+
+
+@triton.jit
+def _clean_chunk_bits(head_cols, n_cols, cover_cum, qb, listed, BLOCK: tl.constexpr, COLS: tl.constexpr,
+                      CHUNKS: tl.constexpr):  # fmt: skip
+    """`_clean_chunk` of the first CHUNKS chunks at once, as bits (chunk i: bit i), read as vectors
+    before the loop rather than as dependent scalar loads inside it."""
+    chunk = tl.arange(0, CHUNKS)
+    c0 = chunk * COLS
+    has = c0 < n_cols
+    first = tl.load(head_cols + c0, mask=has, other=0)
+    last = tl.load(head_cols + tl.minimum(c0 + COLS, n_cols) - 1, mask=has, other=0)
+    lo, hi = first // BLOCK, last // BLOCK
+    below_hi = qb - hi - 1
+    walked = tl.load(cover_cum + qb - lo, mask=has, other=0) - tl.load(
+        cover_cum + tl.maximum(below_hi, 0), mask=has & (below_hi >= 0), other=0
+    )
+    listed_in = tl.sum(((listed[None, :] >= lo[:, None]) & (listed[None, :] <= hi[:, None])).to(tl.int32), 1)
+    clean = has & (c0 + COLS <= n_cols) & (last < qb * BLOCK) & (walked == 0) & (listed_in == 0)
+    return tl.sum(tl.where(clean, 1 << chunk, 0), 0)
 
 
 def _gather_columns(key: torch.Tensor, value: torch.Tensor, columns: torch.Tensor, num_heads: int, chunk: int):  # fmt: skip
@@ -362,7 +391,8 @@ def sparse_attention_kernel(
             query, key, value, out, state[0], state[1], key_cols, value_cols, kc_desc, vc_desc, k_desc, v_desc,
             index.diag_cover, cover_cum, index.blocks, index.block_count, index.columns, index.column_count,
             scale, n, num_qb, index.blocks.shape[2], index.columns.shape[1], *strides, key_cols.stride(0),
-            group, head_dim, BLOCK_B=pow2(index.blocks.shape[2], 1), COLS=cols, **common, **launch,
+            group, head_dim, BLOCK_B=pow2(index.blocks.shape[2], 1), COLS=cols,
+            CHUNKS=pow2(triton.cdiv(index.columns.shape[1], cols), 1), **common, **launch,
         )  # fmt: skip
 
     launch_fitting("sparse walk", query.device, (WALK_LAUNCH, *WALK_FALLBACKS), walk)
