@@ -5,7 +5,8 @@
 Times `ModelRunner._prepare_inputs` on the CPU for (c)'s shape, one 130,944-token prompt, and for a
 (b)-shaped prefill step, 32 prompts of 500 tokens; the forward is skipped (the llama fixture, its
 context raised for the long prompt). Baseline in the same run: the same three columns built token
-by token in Python lists, as the runner built them before. Median of --repeats.
+by token in Python lists, as the runner built them before. Median of --repeats. Then the whole
+host path of (c)'s request (add_request, then the steps to its one token), forward skipped.
 """
 
 from __future__ import annotations
@@ -60,6 +61,28 @@ def measure(prompt_lens: list[int], repeats: int) -> tuple[float, float]:
     return statistics.median(runner_s) * 1e3, statistics.median(baseline_s) * 1e3
 
 
+def whole_request(prompt_len: int, repeats: int) -> tuple[float, float]:
+    """(add_request ms, steps ms): medians of one prompt of prompt_len tokens and one new token
+    through the engine, forward skipped: validation, scheduling, block allocation, inputs,
+    sampling and freeing, all host work on (c)'s time to first token."""
+    engine = LLMEngine(EngineArgs(model=str(fixture_path("llama")), device="cpu", max_num_batched_tokens=prompt_len,
+                                  num_blocks=prompt_len // 16 + 64, enable_prefix_caching=False))  # fmt: skip
+    engine.max_model_len = engine.scheduler._max_len = prompt_len + 16  # the fixture allows 512
+    engine.runner._run = lambda inputs: torch.zeros(inputs.logits_indices.shape[0], engine.vocab_size)
+    prompt = [5 + j % 500 for j in range(prompt_len)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)
+    add_s, steps_s = [], []
+    for i in range(repeats + 1):  # the first warms up
+        start = time.perf_counter()
+        engine.add_request(f"w{i}", prompt, params)
+        added = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        add_s.append(added - start)
+        steps_s.append(time.perf_counter() - added)
+    return statistics.median(add_s[1:]) * 1e3, statistics.median(steps_s[1:]) * 1e3
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -70,6 +93,9 @@ def main() -> None:
     for name, lens in (("one 130,944-token prompt", [130944]), ("32 prompts of 500 tokens", [500] * 32)):
         runner_ms, baseline_ms = measure(lens, args.repeats)
         print(f"| {name} | {runner_ms:.1f} | {baseline_ms:.1f} |", flush=True)
+    add_ms, steps_ms = whole_request(130944, args.repeats)
+    print(f"\nOne 130,944-token prompt, one new token, forward skipped: add_request {add_ms:.1f} ms, "
+          f"steps {steps_ms:.1f} ms, total {add_ms + steps_ms:.1f} ms")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -292,7 +292,8 @@ class ModelRunner:
             else:
                 if state.token_ids[end - 1] == PLACEHOLDER:  # only a lone decode token can be in flight
                     raise RuntimeError(f"request {request_id!r} was scheduled past its known tokens")
-                ids.extend_tensor(torch.tensor(state.token_ids[start:end], dtype=torch.int64))
+                # Through numpy: torch.tensor on a 128K-int list takes ~6.6 ms, np.array ~1.8.
+                ids.extend_tensor(torch.from_numpy(np.array(state.token_ids[start:end], dtype=np.int64)))
                 positions.extend_tensor(torch.arange(start, end, dtype=torch.int64))
                 slots.extend_tensor(span_slots(state.block_ids, start, end, bs))
             query_start_loc.append(query_start_loc[-1] + count)

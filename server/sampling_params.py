@@ -13,6 +13,14 @@ def check_prompt_tokens(prompt: list[int], vocab_size: int) -> None:
     """Raise InvalidRequestError for an empty prompt or a token id outside the vocabulary, naming it."""
     if len(prompt) == 0:
         raise InvalidRequestError("prompt is empty: at least one token is needed")
+    import numpy as np  # here: the router imports this module for SamplingParams alone
+
+    try:  # one vector pass (a 128K-token prompt: ~1.5 ms against ~4 ms token by token)
+        ids = np.fromiter(prompt, dtype=np.int64, count=len(prompt))
+        if ids.min() >= 0 and ids.max() < vocab_size:
+            return
+    except (OverflowError, TypeError, ValueError):
+        pass  # not all int64: the scan below names the first offender
     bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise InvalidRequestError(f"token id {bad} is outside the vocabulary (0 to {vocab_size - 1})")

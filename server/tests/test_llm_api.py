@@ -94,6 +94,10 @@ def test_bad_prompts_name_the_problem_and_the_limit(llm: LLM) -> None:
         llm.generate([[5] * (limit + 10)], GREEDY)
     with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
         llm.generate([[5, 10**9]], GREEDY)
+    with pytest.raises(InvalidRequestError, match="token id -1 is outside the vocabulary"):
+        llm.generate([[5, -1, 7]], GREEDY)
+    with pytest.raises(InvalidRequestError, match=f"token id {10**30} is outside"):  # past int64
+        llm.generate([[5, 10**30]], GREEDY)
     assert not llm.engine.has_unfinished_requests()
 
 
