@@ -148,24 +148,35 @@ async def stop_engine(
             process.wait()
 
 
-def port_is_free(host: str, port: int) -> bool:
-    """Checked before the model loads, so a taken port fails in a second rather than after the load."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError:
-            return False
-    return True
+def bind_http_socket(host: str, port: int) -> socket.socket | None:
+    """The HTTP port, bound before the model loads and held until uvicorn listens on it: a taken port
+    fails in a second rather than after the load, and nothing started meanwhile (the engine's shard
+    workers open ports of their own) can take it. None when it cannot be bound."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        return None
+    return sock
 
 
 async def serve(args: argparse.Namespace, config: RouterConfig, ipc_dir: str) -> int:
     """Run everything; the exit status is 1 if the engine failed or died, else 0."""
-    if not port_is_free(args.hostname, args.port):
+    http_socket = bind_http_socket(args.hostname, args.port)
+    if http_socket is None:
         logger.error(
             "cannot listen on %s:%d: the address is in use or not available", args.hostname, args.port
         )
         return 1
+    with http_socket:
+        return await _serve_on(http_socket, args, config, ipc_dir)
+
+
+async def _serve_on(
+    http_socket: socket.socket, args: argparse.Namespace, config: RouterConfig, ipc_dir: str
+) -> int:
     client = EngineClient(ipc_dir)
     process = start_engine(args, client, ipc_dir)
     try:
@@ -187,8 +198,8 @@ async def serve(args: argparse.Namespace, config: RouterConfig, ipc_dir: str) ->
     server = _Server(uvicorn_config)
     watcher = asyncio.create_task(watch_engine(process, client, server))
     try:
-        await server.serve()
-    except SystemExit:  # uvicorn exits this way when it cannot bind the port
+        await server.serve(sockets=[http_socket])
+    except SystemExit:  # uvicorn exits this way when it cannot start serving
         logger.error("the HTTP server could not start on %s:%d", args.hostname, args.port)
         server.should_exit = True
     engine_died = watcher.done() and not watcher.cancelled()
