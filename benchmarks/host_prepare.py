@@ -32,12 +32,19 @@ def token_by_token(requests: list[tuple[list[int], list[int]]], block_size: int)
     return [torch.tensor(column, dtype=torch.int64) for column in (ids, positions, slots)]
 
 
+def forwardless_engine(tokens: int, max_prompt: int, **engine_args) -> LLMEngine:
+    """The llama fixture on the CPU for steps of up to `tokens` tokens and prompts of up to
+    `max_prompt`, its forward skipped (zero logits): only host work is left to time."""
+    engine = LLMEngine(EngineArgs(model=str(fixture_path("llama")), device="cpu", max_num_batched_tokens=tokens,
+                                  num_blocks=tokens // 16 + 64, **engine_args))  # fmt: skip
+    engine.max_model_len = engine.scheduler._max_len = max_prompt + 16  # the fixture allows 512
+    engine.runner._run = lambda inputs: torch.zeros(inputs.logits_indices.shape[0], engine.vocab_size)
+    return engine
+
+
 def measure(prompt_lens: list[int], repeats: int) -> tuple[float, float]:
     """(runner ms, token-by-token ms): medians for one prefill step of these prompts."""
-    tokens = sum(prompt_lens)
-    engine = LLMEngine(EngineArgs(model=str(fixture_path("llama")), device="cpu",
-                                  max_num_batched_tokens=tokens, num_blocks=tokens // 16 + 64))  # fmt: skip
-    engine.max_model_len = engine.scheduler._max_len = max(prompt_lens) + 1  # the fixture allows 512
+    engine = forwardless_engine(sum(prompt_lens), max(prompt_lens))
     runner, runner_s, baseline_s = engine.runner, [], []
     prepare = runner._prepare_inputs
 
@@ -53,7 +60,6 @@ def measure(prompt_lens: list[int], repeats: int) -> tuple[float, float]:
         return inputs
 
     runner._prepare_inputs = timed
-    runner._run = lambda inputs: torch.zeros(inputs.logits_indices.shape[0], engine.vocab_size)
     for i, n in enumerate(prompt_lens):
         engine.add_request(f"p{i}", [5 + (i + j) % 500 for j in range(n)],
                            SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True))  # fmt: skip
@@ -65,10 +71,7 @@ def whole_request(prompt_len: int, repeats: int) -> tuple[float, float]:
     """(add_request ms, steps ms): medians of one prompt of prompt_len tokens and one new token
     through the engine, forward skipped: validation, scheduling, block allocation, inputs,
     sampling and freeing, all host work on (c)'s time to first token."""
-    engine = LLMEngine(EngineArgs(model=str(fixture_path("llama")), device="cpu", max_num_batched_tokens=prompt_len,
-                                  num_blocks=prompt_len // 16 + 64, enable_prefix_caching=False))  # fmt: skip
-    engine.max_model_len = engine.scheduler._max_len = prompt_len + 16  # the fixture allows 512
-    engine.runner._run = lambda inputs: torch.zeros(inputs.logits_indices.shape[0], engine.vocab_size)
+    engine = forwardless_engine(prompt_len, prompt_len, enable_prefix_caching=False)
     prompt = [5 + j % 500 for j in range(prompt_len)]
     params = SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)
     add_s, steps_s = [], []

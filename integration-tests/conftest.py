@@ -32,8 +32,8 @@ def free_port() -> int:
 class ServerProcess:
     """`python -m tgserve serve ...` with its output in a log file."""
 
-    def __init__(self, args: list[str], log_path: Path, api_key: str | None = None):
-        self.port = free_port()
+    def __init__(self, args: list[str], log_path: Path, api_key: str | None = None, port: int | None = None):
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.log_path = log_path
@@ -93,14 +93,21 @@ class ServerProcess:
 
 @pytest.fixture(scope="session")
 def start_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
-    """A factory: start_server(args, api_key=None) -> a ready ServerProcess, stopped at session end."""
+    """A factory: start_server(args, api_key=None) -> a ready ServerProcess, stopped at session end;
+    with ready=False, the process as soon as it is launched (port: a given one, else a free one)."""
     servers: list[ServerProcess] = []
 
-    def start(args: list[str], api_key: str | None = None, name: str = "server") -> ServerProcess:
+    def start(
+        args: list[str],
+        api_key: str | None = None,
+        name: str = "server",
+        port: int | None = None,
+        ready: bool = True,
+    ) -> ServerProcess:
         log = tmp_path_factory.mktemp(name) / "server.log"
-        server = ServerProcess(args, log, api_key)
+        server = ServerProcess(args, log, api_key, port)
         servers.append(server)
-        return server.wait_ready()
+        return server.wait_ready() if ready else server
 
     yield start
     for server in servers:
