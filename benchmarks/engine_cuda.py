@@ -308,7 +308,7 @@ def main() -> None:
         "--profile-dir", type=Path, help="write decode kernel profiles (batch 1 and 256) here"
     )
     parser.add_argument(
-        "--save-sparse-index", type=Path, help="(c): save layers 0/16/31's sparse indices here"
+        "--save-sparse-index", type=Path, help="(c): save layers 0/16/30's sparse indices here"
     )
     parser.add_argument("--section", choices=["baseline", "engine", "long"], help=argparse.SUPPRESS)
     parser.add_argument("--only", choices=["baseline", "engine", "long"], help="run one section")

@@ -52,8 +52,13 @@ def paged_attention(
     value: torch.Tensor,
     scale: float,
     softcap: float | None = None,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention for layer `layer_idx` of the current step, reading and writing its KV view."""
+    """Attention for layer `layer_idx` of the current step, reading and writing its KV view; with
+    `rows`, the output of those query rows only (every row's keys and values are stored)."""
     ctx = get_forward_context()
     layer = AttentionLayerParams(ctx.specs[layer_idx], scale, softcap, layer_idx)
-    return ctx.backend.forward(query, key, value, ctx.kv_caches[layer_idx], ctx.metadata, layer)
+    cache = ctx.kv_caches[layer_idx]
+    if rows is None:
+        return ctx.backend.forward(query, key, value, cache, ctx.metadata, layer)
+    return ctx.backend.forward_rows(query, key, value, cache, ctx.metadata, layer, rows)

@@ -35,7 +35,9 @@ class MemoryProfile:
 def dummy_prefill_metadata(
     num_tokens: int, num_seqs: int, block_size: int, device: torch.device
 ) -> AttentionMetadata:
-    """`num_tokens` fresh prompt tokens over `num_seqs` sequences, writing nothing (slot -1)."""
+    """`num_tokens` fresh prompt tokens over `num_seqs` sequences, writing nothing (slot -1). Every
+    block-table entry names block 0, the placeholder cache's one block, so a backend that reads the
+    cache during a prompt step (the last layer's kept rows on CUDA) stays inside it."""
     num_seqs = max(1, min(num_seqs, num_tokens))
     lengths = [num_tokens // num_seqs + (1 if i < num_tokens % num_seqs else 0) for i in range(num_seqs)]
     starts = [0]
@@ -44,7 +46,7 @@ def dummy_prefill_metadata(
     return AttentionMetadata(
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
-        block_tables=torch.zeros(num_seqs, 1, dtype=torch.int32, device=device),
+        block_tables=torch.zeros(num_seqs, -(-max(lengths) // block_size), dtype=torch.int32, device=device),
         slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
         query_start_loc_cpu=starts,
         seq_lens_cpu=lengths,

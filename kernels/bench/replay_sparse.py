@@ -40,8 +40,10 @@ def load_index(path: Path, device: str = "cuda") -> SparseIndex:
 
 
 @contextmanager
-def recording(folder: Path, layers: tuple[int, ...] = (0, 16, 31)) -> Iterator[None]:
-    """Save the index of the given layers of the first sparse prefill run inside the block."""
+def recording(folder: Path, layers: tuple[int, ...] = (0, 16, 30)) -> Iterator[None]:
+    """Save the index of the given layers of the first sparse prefill run inside the block (by call:
+    a model's last layer attends only its logit rows, without an index; 30 is Llama-3-8B's last
+    sparse layer)."""
     folder.mkdir(parents=True, exist_ok=True)
     original = kernel.sparse_attention_kernel
     calls = [0]

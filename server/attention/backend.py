@@ -56,6 +56,21 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Attention output for every query row of the flat batch."""
 
+    def forward_rows(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        layer: AttentionLayerParams,
+        rows: torch.Tensor,  # int64 [num_kept]: rows of the flat batch
+    ) -> torch.Tensor:  # [num_kept, num_heads, head_dim]
+        """Attention output of the query rows `rows` only, every row's keys and values stored all
+        the same (a model's last layer, where only the rows a logit reads go on). By default every
+        row is attended and the kept ones are taken."""
+        return self.forward(query, key, value, kv_cache, metadata, layer)[rows]
+
 
 def attention_backend(device: torch.device, sparse: SparseConfig | None = None) -> AttentionBackend:
     """The backend for a device; each is imported only when chosen."""

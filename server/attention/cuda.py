@@ -13,10 +13,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from tgserve.kernels import dispatch
 from tgserve.kernels.sparse.config import SparseConfig
 from tgserve.server.attention.backend import AttentionBackend, AttentionLayerParams
-from tgserve.server.attention.metadata import AttentionMetadata
+from tgserve.server.attention.metadata import AttentionMetadata, rows_as_sequences
 
 
 @dataclass(frozen=True)
@@ -82,4 +84,29 @@ class CudaAttentionBackend(AttentionBackend):
             max_query_len=plan.max_query_len,
             max_seq_len=plan.max_seq_len,
             step_kv=(key, value, metadata.slot_mapping),
+        )
+
+    def forward_rows(self, query, key, value, kv_cache, metadata: AttentionMetadata, layer: AttentionLayerParams,
+                     rows: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """Stores every row's keys and values, then attends only the kept rows, each as a decode
+        query over its own context: a 128K-token prompt's last layer skips its prompt attention
+        (sparse or dense) and runs the split-context decode kernel on one row."""
+        plan = cuda_step_plan(metadata)
+        if plan.kind == "decode":  # every row is a sequence's only query: nothing to skip
+            return self.forward(query, key, value, kv_cache, metadata, layer)[rows]
+        dispatch.write_kv(key, value, kv_cache, metadata.slot_mapping)
+        block_tables, seq_lens = rows_as_sequences(metadata, rows)
+        kept = query[rows]
+        starts = torch.arange(kept.shape[0] + 1, dtype=torch.int32, device=query.device)
+        return dispatch.paged_attention(
+            kept,
+            kv_cache,
+            block_tables,
+            starts,
+            seq_lens,
+            layer.scale,
+            layer.spec.sliding_window,
+            layer.softcap,
+            max_query_len=1,
+            max_seq_len=plan.max_seq_len,
         )

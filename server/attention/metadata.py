@@ -49,3 +49,12 @@ class AttentionMetadata:
     @property
     def max_seq_len(self) -> int:
         return max(self.seq_lens_cpu, default=0)
+
+
+def rows_as_sequences(metadata: AttentionMetadata, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block_tables, seq_lens) that make each of `rows` a sequence of one query: its own sequence's
+    blocks, and a context that ends at its position. Computed on the device, without a sync."""
+    ends = metadata.query_start_loc[1:]
+    seq = torch.searchsorted(ends, rows.to(ends.dtype), right=True)
+    later_queries = ends[seq] - 1 - rows  # queries of its sequence after this row
+    return metadata.block_tables[seq], (metadata.seq_lens[seq] - later_queries).to(torch.int32)

@@ -70,9 +70,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        out = paged_attention(self.layer_idx, q, k, v, self.scale)
-        if keep is not None:
-            out = out[keep]
+        out = paged_attention(self.layer_idx, q, k, v, self.scale, rows=keep)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 

@@ -1,4 +1,5 @@
-"""The cpu backend against dense attention computed from unpaged keys and values."""
+"""The cpu backend (and the cuda backend's kept-row path, on CPU tensors) against dense attention
+computed from unpaged keys and values."""
 
 from __future__ import annotations
 
@@ -31,8 +32,10 @@ def dense_reference(q, k, v, scale, window, softcap):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double()).float()
 
 
-def run_backend(contexts, q_lens, num_heads, num_kv, dim, block_size, window, softcap, seed=0):
-    """Earlier tokens are written first (as previous steps would), then one step of q_lens per sequence."""
+def run_backend(contexts, q_lens, num_heads, num_kv, dim, block_size, window, softcap, seed=0, backend=None,
+                rows=None):  # fmt: skip
+    """Earlier tokens are written first (as previous steps would), then one step of q_lens per
+    sequence; with rows, only those query rows are asked for (and expected)."""
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(math.ceil(n / block_size) for n in contexts) + 3
     cache = torch.zeros(2, num_blocks, block_size, num_kv, dim)
@@ -42,7 +45,7 @@ def run_backend(contexts, q_lens, num_heads, num_kv, dim, block_size, window, so
     for n in contexts:
         tables.append([free.pop() for _ in range(math.ceil(n / block_size))])
         full.append(tuple(torch.randn(n, h, dim, generator=gen) for h in (num_heads, num_kv, num_kv)))
-    backend = CpuAttentionBackend()
+    backend = backend or CpuAttentionBackend()
     layer = AttentionLayerParams(KVCacheSpec(num_kv, dim, torch.float32, window), dim**-0.5, softcap)
 
     # Previous steps: store the context before this step's queries.
@@ -69,14 +72,21 @@ def run_backend(contexts, q_lens, num_heads, num_kv, dim, block_size, window, so
         seq_lens_cpu=list(contexts),
         block_size=block_size,
     )
-    out = backend.forward(query, key, value, cache, meta, layer)
     expected = torch.cat(
         [
             dense_reference(q[n - ql :], k, v, dim**-0.5, window, softcap)
             for (q, k, v), n, ql in zip(full, contexts, q_lens)
         ]
     )
-    return out, expected
+    if rows is None:
+        return backend.forward(query, key, value, cache, meta, layer), expected
+    rows = torch.tensor(rows, dtype=torch.long)
+    out = backend.forward_rows(query, key, value, cache, meta, layer, rows)
+    # Every row's keys and values were stored: the cache now answers a full step's queries too.
+    for (_q, k, v), table, n in zip(full, tables, contexts):
+        slots = torch.tensor([slot(table, p) for p in range(n)], dtype=torch.long)
+        assert torch.equal(cache[0].flatten(0, 1)[slots], k) and torch.equal(cache[1].flatten(0, 1)[slots], v)
+    return out, expected[rows]
 
 
 @pytest.mark.parametrize("num_heads,num_kv", [(4, 4), (8, 2), (8, 1)])
@@ -99,3 +109,56 @@ def test_decode_groups_of_similar_lengths_match_dense(window, softcap):
     contexts = [30, 31, 33, 29, 60, 61, 2, 3]  # three groups of similar block counts
     out, expected = run_backend(contexts, [1] * len(contexts), 8, 2, 16, 8, window, softcap, seed=5)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+ROW_CASES = {
+    # fresh prompts only (the cuda backend's dense / sparse path): the last row of each, and
+    # every row of one (prompt log-probabilities)
+    "fresh": (
+        [9, 17, 5],
+        [9, 17, 5],
+        [8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 30],
+    ),
+    "fresh-last-rows": ([9, 17, 5], [9, 17, 5], [8, 25, 30]),
+    # chunks after a prefix beside decodes (the paged path)
+    "paged": ([1, 9, 17, 33, 40], [1, 9, 1, 12, 1], [0, 9, 10, 15, 22, 23]),
+    "decode": ([3, 8, 9], [1, 1, 1], [0, 2]),
+}
+
+
+@pytest.mark.parametrize("backend_name", ["cpu", "cuda"])
+@pytest.mark.parametrize("case", list(ROW_CASES))
+@pytest.mark.parametrize("window,softcap", [(None, None), (6, 30.0)])
+def test_kept_rows_match_dense(backend_name, case, window, softcap):
+    """Attention of a subset of the query rows (a last layer that feeds only its logit rows). The
+    cuda backend runs each kept row as a decode query over its own context; on CPU tensors its
+    kernels fall back to the torch reference, so the row-to-sequence mapping is checked here."""
+    from tgserve.server.attention.cuda import CudaAttentionBackend
+
+    backend = CpuAttentionBackend() if backend_name == "cpu" else CudaAttentionBackend()
+    contexts, q_lens, rows = ROW_CASES[case]
+    out, expected = run_backend(
+        contexts, q_lens, 8, 2, 16, 4, window, softcap, seed=7, backend=backend, rows=rows
+    )
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_kept_rows_of_the_memory_profiling_step_stay_in_the_placeholder_cache():
+    """The KV pool is sized by running the largest prompt step over a one-block placeholder cache;
+    the cuda backend reads that cache for the last layer's kept rows, so the step's block tables
+    must name a block for every position (they named one per sequence, and the GPU read past them)."""
+    from tgserve.server.attention.cuda import CudaAttentionBackend
+    from tgserve.server.memory import dummy_prefill_metadata
+
+    block_size, num_kv, dim = 4, 2, 16
+    meta = dummy_prefill_metadata(
+        num_tokens=37, num_seqs=3, block_size=block_size, device=torch.device("cpu")
+    )
+    assert meta.block_tables.shape == (3, math.ceil(max(meta.seq_lens_cpu) / block_size))
+    assert not meta.block_tables.any()
+    cache = torch.zeros(2, 1, block_size, num_kv, dim)
+    query, key, value = torch.randn(37, 8, dim), torch.randn(37, num_kv, dim), torch.randn(37, num_kv, dim)
+    layer = AttentionLayerParams(KVCacheSpec(num_kv, dim, torch.float32, None), dim**-0.5, None)
+    rows = meta.query_start_loc[1:].long() - 1
+    out = CudaAttentionBackend().forward_rows(query, key, value, cache, meta, layer, rows)
+    assert out.shape == (3, 8, dim) and out.isfinite().all()
