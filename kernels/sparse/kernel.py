@@ -198,8 +198,11 @@ def _scattered_kernel(
     n_listed = tl.load(block_cnt_ptr + hq)
     last = tl.load(blocks_ptr + hq * max_b + tl.maximum(n_listed - 1, 0))
     n_before = n_listed - ((n_listed > 0) & (last == qb)).to(tl.int32)
-    for t in range(0, n_before):
-        j = tl.load(blocks_ptr + hq * max_b + t)
+    slots = tl.arange(0, BLOCK_B)
+    listed = tl.load(blocks_ptr + hq * max_b + slots, mask=slots < n_listed, other=-1)
+    # The ids come from registers (no load before each step's K/V address), three steps in flight.
+    for t in tl.range(0, n_before, num_stages=3):
+        j = tl.sum(tl.where(slots == t, listed, 0), 0)
         acc, m_i, l_i = _inner_block(acc, m_i, l_i, q, j * BLOCK, k_ptrs, v_ptrs, stride_kt, stride_vt, dim_ok,
                                      sm_scale, k_desc, v_desc, kv_head * BLOCK_D, BLOCK, EVEN_D, PRECISION,
                                      DESC)  # fmt: skip
@@ -211,8 +214,6 @@ def _scattered_kernel(
     # values were gathered per head beforehand (`_gather_columns`), so these loads advance
     # contiguously and pipeline; only the masks read the column positions.
     n_cols = tl.load(col_cnt_ptr + hq)
-    slots = tl.arange(0, BLOCK_B)
-    listed = tl.load(blocks_ptr + hq * max_b + slots, mask=slots < n_listed, other=-1)
     kc_ptrs = kc_ptr + head * stride_ch + dims[None, :]
     vc_ptrs = vc_ptr + head * stride_ch + dims[None, :]
     first_slot = head * (stride_ch // BLOCK_D)  # this head's first row in the gathered [H x C, D] view

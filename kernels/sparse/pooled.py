@@ -25,9 +25,10 @@ from tgserve.kernels.sparse.estimate import block_means, head_index, host_values
 from tgserve.kernels.triton_common import dot_precision, interpreting
 
 BITS = 16  # listed blocks travel as a bitmap of BITS-bit words per query block
-# GPU: fastest of profile_sparse.py sweep. key_blocks: key blocks a step (one product of
-# key_blocks * block keys, max-pooled per block); 2 is not measured yet.
-LAUNCH = {"block_r": 128, "num_warps": 4, "num_stages": 3, "key_blocks": 1}
+# GPU: fastest of profile_sparse.py sweep (H200, 128K, ms a layer: this 3.47, one key block a step
+# at 3 stages 3.71, two at 3 stages 3.81). key_blocks: key blocks a step (one product of
+# key_blocks * block keys, max-pooled per block).
+LAUNCH = {"block_r": 128, "num_warps": 4, "num_stages": 2, "key_blocks": 2}
 
 
 @triton.jit
