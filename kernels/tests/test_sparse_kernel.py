@@ -224,6 +224,24 @@ def test_column_chunks_clear_of_walked_and_listed_blocks_take_the_unmasked_step(
     _assert_kernel_matches_index(device, n, block, cover, blocks, columns, q, k, v)
 
 
+@pytest.mark.parametrize("bits", [True, False], ids=["tests-up-front", "tests-in-loop"])
+def test_columns_alone_reach_up_to_each_row(device, load_path, column_blocks, bits, monkeypatch):
+    """Every key a column, nothing walked or listed: plain causal attention. Chunks inside the
+    query block's own keys are clear of every diagonal and differ from a mask-free chunk only by
+    the causal edge. Pass 2 tests the chunks before its loop (as bits) or, with more chunks than
+    that takes, one at a time inside it."""
+    from tgserve.kernels.sparse import kernel
+
+    if not bits:
+        monkeypatch.setattr(kernel, "CLEAN_BITS_CHUNKS", 2)
+    n, block, nq = 150, 16, 10
+    cover = torch.zeros(2, nq, dtype=torch.bool)
+    columns = torch.arange(n).expand(2, n)
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(n, h, 32, generator=gen) for h in (2, 1, 1))
+    _assert_kernel_matches_index(device, n, block, cover, None, columns, q, k, v)
+
+
 class _SmallSharedMemory:
     """A kernel as a GPU with less shared memory than an H200 sees it: launches of more than
     `max_stages` pipeline stages fail to load with Triton's OutOfResources, before running."""
