@@ -65,7 +65,8 @@ def stages(n: int, iters: int, sweep: bool) -> dict[str, float]:
             kernel.LAUNCH.update(saved)
         saved = dict(pooled.LAUNCH)
         for launch in ({"block_r": 128, "num_warps": 8}, {"block_r": 64, "num_warps": 4},
-                       {"block_r": 128, "num_warps": 8, "num_stages": 4}):  # fmt: skip
+                       {"block_r": 128, "num_warps": 8, "num_stages": 4}, {"key_blocks": 2},
+                       {"key_blocks": 2, "num_warps": 8}, {"key_blocks": 2, "num_stages": 2}):  # fmt: skip
             pooled.LAUNCH.update(launch)
             row[f"rescue {launch}"] = t(
                 lambda: pooled.rescue_blocks_triton(q, k, heads, block, cover, None, cols, rescue)

@@ -43,6 +43,9 @@ WALK_FALLBACKS = (
 )
 FALLBACKS = ({"num_warps": 4, "num_stages": 1, "column_blocks": 1},)
 USE_DESCRIPTORS = True  # mask-free K/V loads through tensor descriptors where the layout allows
+# Pass 2 tests up to this many column chunks for the mask-free step before its loop, as bits of one
+# int32 (H200, 128K replays: pass 2 9.43 ms a layer against 9.85 testing each chunk in the loop).
+CLEAN_BITS_CHUNKS = 31
 
 
 @triton.jit
@@ -169,7 +172,8 @@ def _scattered_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_st, stride_ch,
     group, head_dim,
     BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr, PRECISION: tl.constexpr,
-    EVEN_D: tl.constexpr, DESC: tl.constexpr, COLS: tl.constexpr,
+    EVEN_D: tl.constexpr, DESC: tl.constexpr, COLS: tl.constexpr, CHUNKS: tl.constexpr,
+    BITS: tl.constexpr,
 ):  # fmt: skip
     """Pass 2: continues from pass 1's partial with the diagonal block (causally masked), the listed
     key blocks and the gathered columns (COLS a step), and stores the final output."""
@@ -198,8 +202,11 @@ def _scattered_kernel(
     n_listed = tl.load(block_cnt_ptr + hq)
     last = tl.load(blocks_ptr + hq * max_b + tl.maximum(n_listed - 1, 0))
     n_before = n_listed - ((n_listed > 0) & (last == qb)).to(tl.int32)
-    for t in range(0, n_before):
-        j = tl.load(blocks_ptr + hq * max_b + t)
+    slots = tl.arange(0, BLOCK_B)
+    listed = tl.load(blocks_ptr + hq * max_b + slots, mask=slots < n_listed, other=-1)
+    # The ids come from registers (no load before each step's K/V address), three steps in flight.
+    for t in tl.range(0, n_before, num_stages=3):
+        j = tl.sum(tl.where(slots == t, listed, 0), 0)
         acc, m_i, l_i = _inner_block(acc, m_i, l_i, q, j * BLOCK, k_ptrs, v_ptrs, stride_kt, stride_vt, dim_ok,
                                      sm_scale, k_desc, v_desc, kv_head * BLOCK_D, BLOCK, EVEN_D, PRECISION,
                                      DESC)  # fmt: skip
@@ -211,12 +218,13 @@ def _scattered_kernel(
     # values were gathered per head beforehand (`_gather_columns`), so these loads advance
     # contiguously and pipeline; only the masks read the column positions.
     n_cols = tl.load(col_cnt_ptr + hq)
-    slots = tl.arange(0, BLOCK_B)
-    listed = tl.load(blocks_ptr + hq * max_b + slots, mask=slots < n_listed, other=-1)
     kc_ptrs = kc_ptr + head * stride_ch + dims[None, :]
     vc_ptrs = vc_ptr + head * stride_ch + dims[None, :]
     first_slot = head * (stride_ch // BLOCK_D)  # this head's first row in the gathered [H x C, D] view
     head_cols = cols_ptr + head * max_c
+    if BITS:  # every chunk's mask-free test up front: the branch below waits on no load
+        clean_bits = _clean_chunk_bits(head_cols, n_cols, cover_cum_ptr + head * num_qb, qb, listed, BLOCK, COLS,
+                                       CHUNKS)  # fmt: skip
     for c0 in range(0, n_cols, COLS):
         # The gathered buffer is padded to whole chunks and BLOCK_D: no load mask at any head dim.
         if DESC:
@@ -226,7 +234,13 @@ def _scattered_kernel(
             slot = (c0 + tl.arange(0, COLS)).to(tl.int64)[:, None] * BLOCK_D
             k = tl.load(kc_ptrs + slot)
             v = tl.load(vc_ptrs + slot)
-        if _clean_chunk(head_cols, c0, n_cols, cover_cum_ptr + head * num_qb, qb, listed, BLOCK, COLS):
+        if BITS:
+            clean = ((clean_bits >> (c0 // COLS)) & 1) != 0
+        else:
+            clean = _clean_chunk(
+                head_cols, c0, n_cols, cover_cum_ptr + head * num_qb, qb, listed, BLOCK, COLS
+            )
+        if clean:
             acc, m_i, l_i = attend_tile(
                 acc, m_i, l_i, q, k, v, None, sm_scale, 0.0, False, PRECISION, MASKED=False
             )
@@ -261,6 +275,26 @@ def _clean_chunk(head_cols, c0, n_cols, cover_cum, qb, listed, BLOCK: tl.constex
     )
     listed_in = tl.sum(((listed >= lo) & (listed <= hi)).to(tl.int32), 0)
     return whole & (last < qb * BLOCK) & (walked == 0) & (listed_in == 0)
+
+
+@triton.jit
+def _clean_chunk_bits(head_cols, n_cols, cover_cum, qb, listed, BLOCK: tl.constexpr, COLS: tl.constexpr,
+                      CHUNKS: tl.constexpr):  # fmt: skip
+    """`_clean_chunk` of the first CHUNKS chunks at once, as bits (chunk i: bit i), read as vectors
+    before the loop rather than as dependent scalar loads inside it."""
+    chunk = tl.arange(0, CHUNKS)
+    c0 = chunk * COLS
+    has = c0 < n_cols
+    first = tl.load(head_cols + c0, mask=has, other=0)
+    last = tl.load(head_cols + tl.minimum(c0 + COLS, n_cols) - 1, mask=has, other=0)
+    lo, hi = first // BLOCK, last // BLOCK
+    below_hi = qb - hi - 1
+    walked = tl.load(cover_cum + qb - lo, mask=has, other=0) - tl.load(
+        cover_cum + tl.maximum(below_hi, 0), mask=has & (below_hi >= 0), other=0
+    )
+    listed_in = tl.sum(((listed[None, :] >= lo[:, None]) & (listed[None, :] <= hi[:, None])).to(tl.int32), 1)
+    clean = has & (c0 + COLS <= n_cols) & (last < qb * BLOCK) & (walked == 0) & (listed_in == 0)
+    return tl.sum(tl.where(clean, 1 << chunk, 0), 0)
 
 
 def _gather_columns(key: torch.Tensor, value: torch.Tensor, columns: torch.Tensor, num_heads: int, chunk: int):  # fmt: skip
@@ -353,6 +387,7 @@ def sparse_attention_kernel(
     def scattered(launch: dict) -> None:
         launch = dict(launch)
         cols = launch.pop("column_blocks") * block
+        chunks = triton.cdiv(index.columns.shape[1], cols)
         kc_desc, vc_desc = (
             (_column_rows(key_cols, cols), _column_rows(value_cols, cols))
             if use_desc
@@ -362,7 +397,8 @@ def sparse_attention_kernel(
             query, key, value, out, state[0], state[1], key_cols, value_cols, kc_desc, vc_desc, k_desc, v_desc,
             index.diag_cover, cover_cum, index.blocks, index.block_count, index.columns, index.column_count,
             scale, n, num_qb, index.blocks.shape[2], index.columns.shape[1], *strides, key_cols.stride(0),
-            group, head_dim, BLOCK_B=pow2(index.blocks.shape[2], 1), COLS=cols, **common, **launch,
+            group, head_dim, BLOCK_B=pow2(index.blocks.shape[2], 1), COLS=cols,
+            CHUNKS=pow2(chunks, 1), BITS=chunks <= CLEAN_BITS_CHUNKS, **common, **launch,
         )  # fmt: skip
 
     launch_fitting("sparse walk", query.device, (WALK_LAUNCH, *WALK_FALLBACKS), walk)

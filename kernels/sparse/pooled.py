@@ -25,7 +25,10 @@ from tgserve.kernels.sparse.estimate import block_means, head_index, host_values
 from tgserve.kernels.triton_common import dot_precision, interpreting
 
 BITS = 16  # listed blocks travel as a bitmap of BITS-bit words per query block
-LAUNCH = {"block_r": 128, "num_warps": 4, "num_stages": 3}  # GPU: fastest of profile_sparse.py sweep
+# GPU: fastest of profile_sparse.py sweep (H200, 128K, ms a layer: this 3.47, one key block a step
+# at 3 stages 3.71, two at 3 stages 3.81). key_blocks: key blocks a step (one product of
+# key_blocks * block keys, max-pooled per block).
+LAUNCH = {"block_r": 128, "num_warps": 4, "num_stages": 2, "key_blocks": 2}
 
 
 @triton.jit
@@ -33,7 +36,7 @@ def _rescue_kernel(
     qm_ptr, k_ptr, head_ptr, skip_ptr, cover_ptr, bits_ptr, val_ptr, idx_ptr,
     n, num_qb, num_tiles, num_rows, group, head_dim, stride_kt, stride_kh, words,
     BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, R: tl.constexpr,
-    HAS_SKIP: tl.constexpr, HAS_BITS: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_SKIP: tl.constexpr, HAS_BITS: tl.constexpr, PRECISION: tl.constexpr, KEY_BLOCKS: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     tile = num_tiles - 1 - pid // num_rows  # longest tiles first, all heads of a tile together
@@ -51,8 +54,11 @@ def _rescue_kernel(
     best_v = tl.full([BLOCK_R, R], float("-inf"), tl.float32)
     best_i = tl.full([BLOCK_R, R], -1, tl.int32)
     last = tl.minimum(num_qb - 1, tile * BLOCK_R + BLOCK_R - 1)
-    for j in range(0, last + 1):
-        pos = j * BLOCK + tl.arange(0, BLOCK)
+    sub = tl.arange(0, KEY_BLOCKS)
+    for j0 in range(0, last + 1, KEY_BLOCKS):
+        # One product over KEY_BLOCKS key blocks, max-pooled per block (blocks past `last` are
+        # invisible to every row of the tile, keys past n masked).
+        pos = j0 * BLOCK + tl.arange(0, KEY_BLOCKS * BLOCK)
         in_seq = pos < n
         k = tl.load(k_ptrs + pos.to(tl.int64)[:, None] * stride_kt, mask=in_seq[:, None] & dim_ok[None, :],
                     other=0.0)  # fmt: skip
@@ -61,18 +67,22 @@ def _rescue_kernel(
         if HAS_SKIP:
             skip = tl.load(skip_ptr + row.to(tl.int64) * n + pos, mask=in_seq, other=1)
             allowed = allowed & (skip == 0)
-        score = tl.max(tl.where(allowed[None, :], s, float("-inf")), 1)
-        visible = row_ok & (qb >= j)
-        held = tl.load(cover_ptr + base + qb - j, mask=visible, other=1)
-        if HAS_BITS:
-            word = tl.load(bits_ptr + (base + qb) * words + j // 16, mask=visible, other=0)
-            held = held | ((word >> (j % 16)) & 1).to(tl.int8)
-        score = tl.where(visible & (held == 0), score, float("-inf"))
-        # Running top-R: the new block replaces the weakest kept one if it beats it.
-        weakest = tl.argmin(best_v, 1)
-        hit = (slots[None, :] == weakest[:, None]) & (score > tl.min(best_v, 1))[:, None]
-        best_v = tl.where(hit, score[:, None], best_v)
-        best_i = tl.where(hit, j, best_i)
+        s = tl.where(allowed[None, :], s, float("-inf"))
+        pooled = tl.max(tl.reshape(s, [BLOCK_R, KEY_BLOCKS, BLOCK]), 2)  # [BLOCK_R, KEY_BLOCKS]
+        for b in tl.static_range(KEY_BLOCKS):
+            j = j0 + b
+            score = tl.max(tl.where(sub[None, :] == b, pooled, float("-inf")), 1)
+            visible = row_ok & (qb >= j)
+            held = tl.load(cover_ptr + base + qb - j, mask=visible, other=1)
+            if HAS_BITS:
+                word = tl.load(bits_ptr + (base + qb) * words + j // 16, mask=visible, other=0)
+                held = held | ((word >> (j % 16)) & 1).to(tl.int8)
+            score = tl.where(visible & (held == 0), score, float("-inf"))
+            # Running top-R: the new block replaces the weakest kept one if it beats it.
+            weakest = tl.argmin(best_v, 1)
+            hit = (slots[None, :] == weakest[:, None]) & (score > tl.min(best_v, 1))[:, None]
+            best_v = tl.where(hit, score[:, None], best_v)
+            best_i = tl.where(hit, j, best_i)
     out = (base + qb)[:, None] * R + slots[None, :]
     tl.store(val_ptr + out, best_v, mask=row_ok[:, None])
     tl.store(idx_ptr + out, best_i, mask=row_ok[:, None])
@@ -127,6 +137,7 @@ def rescue_blocks_triton(
         BLOCK=block, BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(head_dim), R=top_r,
         HAS_SKIP=columns is not None, HAS_BITS=listed is not None, PRECISION=dot_precision(key.dtype),
         num_warps=4 if interpreting() else LAUNCH["num_warps"], num_stages=LAUNCH["num_stages"],
+        KEY_BLOCKS=LAUNCH["key_blocks"],
     )  # fmt: skip
     top = torch.topk(values, width, dim=-1)
     limit = host_values(budget, device)[:, None, None]

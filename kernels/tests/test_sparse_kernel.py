@@ -99,10 +99,15 @@ def test_last_q_scores_triton_match_torch(device, n, block, last_q):
         torch.testing.assert_close(g.cpu(), w, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("key_blocks", [1, 2, 4])
 @pytest.mark.parametrize("held", [False, True])
 @pytest.mark.parametrize("budget", [[2, 2, 2, 2, 2], [1, 3, 2, 5, 1]])
-def test_rescue_blocks_triton_match_torch(device, held, budget):
-    """Top pooled-max blocks outside the held diagonals, listed blocks and column keys."""
+def test_rescue_blocks_triton_match_torch(device, held, budget, key_blocks, monkeypatch):
+    """Top pooled-max blocks outside the held diagonals, listed blocks and column keys; key blocks
+    one to four a step (10 query blocks: a step of 4 reaches past the last one)."""
+    from tgserve.kernels.sparse import pooled
+
+    monkeypatch.setitem(pooled.LAUNCH, "key_blocks", key_blocks)
     n, block = 150, 16
     q, k, _ = _qkv(n, 8, 2, 32, torch.float32, seed=7)
     gen = torch.Generator().manual_seed(3)
@@ -217,6 +222,24 @@ def test_column_chunks_clear_of_walked_and_listed_blocks_take_the_unmasked_step(
     gen = torch.Generator().manual_seed(9)
     q, k, v = (torch.randn(n, h, 32, generator=gen) for h in (2, 1, 1))
     _assert_kernel_matches_index(device, n, block, cover, blocks, columns, q, k, v)
+
+
+@pytest.mark.parametrize("bits", [True, False], ids=["tests-up-front", "tests-in-loop"])
+def test_columns_alone_reach_up_to_each_row(device, load_path, column_blocks, bits, monkeypatch):
+    """Every key a column, nothing walked or listed: plain causal attention. Chunks inside the
+    query block's own keys are clear of every diagonal and differ from a mask-free chunk only by
+    the causal edge. Pass 2 tests the chunks before its loop (as bits) or, with more chunks than
+    that takes, one at a time inside it."""
+    from tgserve.kernels.sparse import kernel
+
+    if not bits:
+        monkeypatch.setattr(kernel, "CLEAN_BITS_CHUNKS", 2)
+    n, block, nq = 150, 16, 10
+    cover = torch.zeros(2, nq, dtype=torch.bool)
+    columns = torch.arange(n).expand(2, n)
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(n, h, 32, generator=gen) for h in (2, 1, 1))
+    _assert_kernel_matches_index(device, n, block, cover, None, columns, q, k, v)
 
 
 class _SmallSharedMemory:
