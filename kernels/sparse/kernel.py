@@ -31,7 +31,7 @@ from tgserve.kernels.triton_common import attend_tile, dot_precision, interpreti
 # layer: 2 (128 columns) 33.5-34.1, 1 (64) 35.6-36.3; two query blocks a program sharing the
 # columns spill registers and lose (38-40).
 # The columns stay here: in the walk's programs (8 warps, 248 registers already) a column loop
-# spilled 14-20 registers and the layer lost 3.5 ms (2026-11-30 pass2-chunk-tests record).
+# spilled 14-20 registers and the layer lost 2.6-3.5 ms (2026-11-30 pass2-chunk-tests record).
 LAUNCH = {"num_warps": 4, "num_stages": 2, "column_blocks": 2}
 # The diagonal walk's own kernel: query blocks per program, key blocks per unmasked step, warps,
 # pipeline stages. H200 replays of 128K indices (ms a layer): 2 / 2 / 8 / 3 36.8-37.8, with one key
