@@ -93,7 +93,7 @@ class CudaAttentionBackend(AttentionBackend):
         (sparse or dense) and runs the split-context decode kernel on one row."""
         plan = cuda_step_plan(metadata)
         if plan.kind == "decode":  # every row is a sequence's only query: nothing to skip
-            return self.forward(query, key, value, kv_cache, metadata, layer)[rows]
+            return super().forward_rows(query, key, value, kv_cache, metadata, layer, rows)
         dispatch.write_kv(key, value, kv_cache, metadata.slot_mapping)
         block_tables, seq_lens = rows_as_sequences(metadata, rows)
         kept = query[rows]
