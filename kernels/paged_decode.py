@@ -23,7 +23,11 @@ import triton.language as tl
 from tgserve.kernels.triton_common import attend_tile, dot_precision, interpreting, pdl, pow2, wait_for_inputs
 
 
-@triton.jit
+# The integers a step's shape sets (the split count, the block table's width) are not specialised:
+# Triton would compile apart the values divisible by 16, and with the merge tile fixed per model
+# (`_merge_tile`) every step of a model then shares one compiled kernel, so a new prompt length or
+# batch size never pays a compile on first use.
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_kernel(
     q_ptr,
     k_ptr,
@@ -256,13 +260,16 @@ def split_counters(device: torch.device, slots: int) -> torch.Tensor:
     return _counters[device]
 
 
+MAX_AUTO_SPLITS = 64
+
+
 def choose_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_n: int) -> int:
     """Enough context splits to give the GPU about two programs per SM, none shorter than 4 tiles."""
     if interpreting() or not torch.cuda.is_available():
         return 1
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     want = triton.cdiv(2 * sms, max(1, num_seqs * num_kv_heads))
-    return max(1, min(want, triton.cdiv(max_context, 4 * block_n), 64))
+    return max(1, min(want, triton.cdiv(max_context, 4 * block_n), MAX_AUTO_SPLITS))
 
 
 def paged_decode(
@@ -303,7 +310,7 @@ def paged_decode(
         part_o = torch.empty(num_seqs * num_heads * splits, block_d, dtype=torch.float32, device=query.device)
         part_ml = torch.empty(num_seqs * num_heads * splits, 2, dtype=torch.float32, device=query.device)
         counters = split_counters(query.device, num_seqs * num_kv_heads)
-        merge_rows, block_s = _merge_tile(group, splits, block_d)
+        merge_rows, block_s = _merge_tile(group, block_d)
     new_k, new_v, slots = step_kv or (query, query, seq_lens)  # unused placeholders without WRITE
     assert new_k.stride(2) == 1 and new_v.stride(2) == 1
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
@@ -321,8 +328,10 @@ def paged_decode(
     return out
 
 
-def _merge_tile(group: int, splits: int, block_d: int) -> tuple[int, int]:
+def _merge_tile(group: int, block_d: int) -> tuple[int, int]:
     """(heads, splits) of the merge's loads: the partials tile at most 8192 floats (64 registers a
-    thread at 4 warps); a group's heads together where at least 4 splits still fit beside them."""
+    thread at 4 warps); a group's heads together where at least 4 splits still fit beside them.
+    Independent of the split count (the merge masks the splits past it), so one kernel serves every
+    count: a count-sized tile compiled a kernel per power of two, on first use."""
     rows = min(triton.next_power_of_2(group), max(1, 8192 // (4 * block_d)))
-    return rows, min(triton.next_power_of_2(splits), max(1, 8192 // (rows * block_d)))
+    return rows, min(MAX_AUTO_SPLITS, max(1, 8192 // (rows * block_d)))

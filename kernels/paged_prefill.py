@@ -19,7 +19,9 @@ import triton.language as tl
 from tgserve.kernels.triton_common import attend_tile, dot_precision, interpreting, pow2
 
 
-@triton.jit
+# The block table's width changes with the step's longest context: not specialised, so a new
+# width divisible by 16 (or not) does not compile another kernel on first use.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr,
     k_ptr,

@@ -242,16 +242,17 @@ def test_dispatch_stores_the_step_kv_on_every_path(device, q_lens):
 
 
 def test_merge_tile_fits_the_register_budget():
-    from tgserve.kernels.paged_decode import _merge_tile
+    from tgserve.kernels.paged_decode import MAX_AUTO_SPLITS, _merge_tile
 
-    assert _merge_tile(4, 33, 128) == (4, 16)  # Llama-3-8B: all 4 heads, 16 splits a load
-    assert _merge_tile(8, 32, 128) == (8, 8)
-    assert _merge_tile(3, 32, 256) == (4, 8)
-    assert _merge_tile(32, 32, 128) == (16, 4)
-    assert _merge_tile(48, 64, 256) == (8, 4)
-    for group, splits, dims in [(4, 33, 128), (48, 64, 256), (1, 2, 64)]:
-        rows, chunk = _merge_tile(group, splits, dims)
-        assert rows * chunk * dims <= 8192
+    assert _merge_tile(4, 128) == (4, 16)  # Llama-3-8B: all 4 heads, 16 splits a load
+    assert _merge_tile(8, 128) == (8, 8)
+    assert _merge_tile(3, 256) == (4, 8)
+    assert _merge_tile(32, 128) == (16, 4)
+    assert _merge_tile(48, 256) == (8, 4)
+    assert _merge_tile(1, 64) == (1, MAX_AUTO_SPLITS)
+    for group, dims in [(4, 128), (48, 256), (1, 64), (1, 16)]:
+        rows, chunk = _merge_tile(group, dims)
+        assert rows * chunk * dims <= 8192 and chunk <= MAX_AUTO_SPLITS
 
 
 def test_split_counters_are_zero_after_each_launch(device):
