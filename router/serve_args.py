@@ -105,7 +105,12 @@ FLAGS: tuple[Flag, ...] = (
     Flag("batch-bucket-size", int, 8, "Decode batch sizes are padded to multiples of this (static shapes)"),
     Flag("prefill-batch-bucket-size", int, 4, "Sequences of a prefill step pad to multiples of this"),
     Flag("pad-sequence-to-multiple-of", int, 128, "Tokens of a prefill step pad to multiples of this"),
-    Flag("warmup-enabled", parse_bool, True, "Compile every static shape before serving"),
+    Flag(
+        "warmup-enabled",
+        parse_bool,
+        True,
+        "Compile before serving: every static shape (HPU), a few warm-up requests (CUDA)",
+    ),
     Flag("enable-hpu-graph", parse_bool, True, "Replay steps as graphs (HPU graphs; CUDA graphs on CUDA)"),
     Flag("limit-hpu-graph", parse_bool, False, "Graphs for decode steps only (saves device memory)"),
     Flag("sparse-prefill", parse_bool, True, "Sparse attention for long prompts (CUDA)"),
@@ -199,6 +204,7 @@ def engine_args(args: argparse.Namespace) -> dict[str, Any]:
         "async_scheduling": args.async_scheduling,
         "static_shapes": args.static_shapes,
         "sparse_config": args.sparse_config,
+        "warm_up": None if args.warmup_enabled else False,  # None: the engine decides (GPUs only)
     }
     result.update({key: value for key, value in optional.items() if value is not None})
     result["buckets"] = bucket_config(args)

@@ -19,6 +19,7 @@ from tgserve.server.core.request import FinishReason, Request
 from tgserve.server.core.scheduler import Scheduler
 from tgserve.server.core.scheduler_output import SchedulerOutput
 from tgserve.server.distributed import TensorParallel, init_tensor_parallel, shutdown_tensor_parallel
+from tgserve.server.first_use_warm_up import warm_up
 from tgserve.server.loader import ModelSource, load_config, load_tokenizer, resolve_model
 from tgserve.server.memory import MemoryProfile
 from tgserve.server.model_shard import build_shard
@@ -66,6 +67,9 @@ class EngineArgs:
     sparse_prefill: bool = True  # prompts of at least sparse_min_seq_len tokens take sparse attention
     sparse_config: str | None = None  # per-layer head patterns (JSON); default: the model's own, if any
     sparse_min_seq_len: int | None = None  # overrides the config's threshold
+    # Run a few requests before serving so first requests do not compile kernels (None: on GPUs,
+    # where Triton compiles on first use; server/first_use_warm_up.py).
+    warm_up: bool | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -164,6 +168,8 @@ class LLMEngine:
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         # Prompt log-probabilities gathered over a request's prefill chunks, sent with its first token.
         self._prompt_logprobs: dict[str, list[TokenLogprob]] = {}
+        if self.device.type == "cuda" if args.warm_up is None else args.warm_up:
+            logger.info("warm-up requests took %.2f s", warm_up(self))
         logger.info(
             "engine ready: %s, %d KV blocks of %d tokens",
             self.source.display_name,

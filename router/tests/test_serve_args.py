@@ -71,6 +71,8 @@ def test_tgi_gaudi_bucketing_variables_reach_the_engine_as_a_bucket_config():
     env = {"BATCH_BUCKET_SIZE": "16", "PAD_SEQUENCE_TO_MULTIPLE_OF": "256", "WARMUP_ENABLED": "false"}
     sent = serve_args.engine_args(parse([], env))["buckets"]
     assert BucketConfig(**sent) == BucketConfig(batch_step=16, token_step=256, warmup=False)
+    assert serve_args.engine_args(parse([], env))["warm_up"] is False  # nor warm-up requests on CUDA
+    assert "warm_up" not in serve_args.engine_args(parse([]))
     assert serve_args.engine_args(parse(["--static-shapes", "true"]))["static_shapes"] is True
     sent = serve_args.engine_args(parse(["--bucketing", "exponential", "--limit-hpu-graph", "true"]))[
         "buckets"

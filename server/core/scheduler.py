@@ -128,6 +128,13 @@ class Scheduler:
         """Preemptions since start."""
         return self._num_preemptions
 
+    def reset_counters(self) -> None:
+        """Zero the counters since start (preemptions, prefix cache lookups): after the engine's own
+        warm-up requests, so that metrics count only what clients asked."""
+        self._num_preemptions = 0
+        self.block_manager.prefix_cache_queries = 0
+        self.block_manager.prefix_cache_hits = 0
+
     def stats(self) -> EngineStats:
         """A snapshot for metrics."""
         bm = self.block_manager
