@@ -308,6 +308,12 @@ class LLMEngine:
             prompt_logprobs=prompt_logprobs,
         )
 
+    def reset_counters(self) -> None:
+        """Zero what stats() counts since start (after the engine's own warm-up requests, so that
+        metrics count only what clients asked)."""
+        self.scheduler.reset_counters()
+        self._last_step = (0, 0)
+
     def stats(self) -> EngineStats:
         stats = self.scheduler.stats()
         tokens, seqs = self._last_step

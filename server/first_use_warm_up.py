@@ -72,7 +72,7 @@ def warm_up(engine: Any, new_tokens: int = 4) -> float:
     engine.step()
     engine.add_request(f"{REQUEST_PREFIX}3", joining, sampled)
     _run_to_the_end(engine)
-    engine.scheduler.reset_counters()
+    engine.reset_counters()
     return time.perf_counter() - start
 
 

@@ -57,12 +57,17 @@ def test_warm_up_runs_a_lone_prompt_fresh_prompts_together_then_one_beside_decod
     assert lengths == [144, 32, 35, 37]
 
 
-def test_warm_up_leaves_no_request_no_count_and_the_same_tokens():
-    warmed, cold = cpu_engine(True), cpu_engine(False)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_warm_up_leaves_no_request_no_count_and_the_same_tokens(async_scheduling):
+    """Nothing the metrics read is left from the warm-up: under async scheduling the last step it
+    read is a decode step of one row."""
+    warmed = cpu_engine(True, async_scheduling=async_scheduling)
+    cold = cpu_engine(False, async_scheduling=async_scheduling)
     assert not warmed.needs_step()
     stats = warmed.stats()
     assert (stats.num_running, stats.num_waiting, stats.num_preemptions) == (0, 0, 0)
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (0, 0)
+    assert (stats.step_num_tokens, stats.step_num_seqs) == (0, 0)
     assert stats.num_free_blocks == stats.num_total_blocks
     prompt = list(range(20, 45))
     assert greedy_tokens(warmed, prompt) == greedy_tokens(cold, prompt)

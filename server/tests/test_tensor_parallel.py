@@ -83,7 +83,8 @@ def test_an_engine_of_two_shards_generates_the_tokens_of_one() -> None:
     """Two CPU shards (the second a worker process) through the whole engine: chunked prefill,
     decode, greedy and seeded sampling give the tokens a single shard gives, with rank 0 waiting for
     each step's tokens and with it scheduling the next step first (async scheduling, as on GPUs;
-    the worker launches each step before reading the last one's tokens either way)."""
+    the worker launches each step before reading the last one's tokens either way), and after the
+    engine's warm-up requests (on by default on GPUs)."""
     from tgserve.server.engine import EngineArgs, LLMEngine
     from tgserve.server.sampling_params import SamplingParams
 
@@ -94,10 +95,10 @@ def test_an_engine_of_two_shards_generates_the_tokens_of_one() -> None:
         SamplingParams(temperature=0.0, max_new_tokens=5, ignore_eos=True),
     ]
 
-    def generate(shards: int, async_scheduling: bool = False) -> dict[str, list[int]]:
+    def generate(shards: int, async_scheduling: bool = False, warm_up: bool = False) -> dict[str, list[int]]:
         args = EngineArgs(model=str(fixture_path("llama")), max_num_batched_tokens=32, block_size=8,
                           num_blocks=64, tensor_parallel_size=shards,
-                          async_scheduling=async_scheduling)  # fmt: skip
+                          async_scheduling=async_scheduling, warm_up=warm_up)  # fmt: skip
         engine = LLMEngine(args)
         try:
             outputs: dict[str, list[int]] = {}
@@ -116,6 +117,7 @@ def test_an_engine_of_two_shards_generates_the_tokens_of_one() -> None:
     one = generate(1)
     assert generate(2) == one
     assert generate(2, async_scheduling=True) == one
+    assert generate(2, async_scheduling=True, warm_up=True) == one  # the workers step through it too
 
 
 def test_an_architecture_without_tensor_parallel_layers_is_refused_by_name() -> None:
