@@ -50,25 +50,28 @@ def warm_up(engine: Any, new_tokens: int = 4) -> float:
     """Run the warm-up requests through `engine` to the end and return the seconds it took.
 
     Three kinds of prompt step, each followed by decode steps: the long prompt alone (greedy), run
-    to the end; then two short prompts together, fresh (the varlen prefill kernel); then, one step
-    later, a last prompt joining while those two decode (decode rows beside prompt rows). A lone
-    prompt of 32 tokens instead of 320 left a 512-token prompt's first token at 0.65 s on an H200
-    with no Triton compile (0.12 s after the long one): attention of a single prompt is SDPA's. The last two are sampled with temperature, top-k and top-p so the sampler's kernels
-    compile too. Nothing is left behind but the counters, which are reset, and the prompts' full
-    blocks in the prefix cache, which hold their true KV.
+    to the end; then a pair of short prompts together, fresh (the varlen prefill kernel); then, one
+    step later, the last prompt joining while the pair decodes (decode rows beside prompt rows).
+    The pair's second prompt and the last one are sampled with temperature, top-k and top-p so the
+    sampler's kernels compile too. Nothing is left behind but the prompts' full blocks in the prefix
+    cache, which hold their true KV; the engine's counters are reset.
+
+    The lone prompt is the long one because a single prompt's attention is SDPA's, whose first use
+    at a longer length costs too: after a lone 32-token prompt instead, a 512-token prompt's first
+    token took 0.65 s on an H200 with no Triton compile (0.12 s after the 320-token one).
     """
     start = time.perf_counter()
     block_size = engine.args.block_size
     room = min(engine.max_model_len, engine.num_blocks * block_size // 2)
-    alone, together, beside, joining = warm_up_prompts(block_size, room, engine.vocab_size)
+    alone, pair_first, pair_second, joining = warm_up_prompts(block_size, room, engine.vocab_size)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
     sampled = SamplingParams(
         temperature=0.7, top_k=20, top_p=0.9, seed=0, max_new_tokens=new_tokens, ignore_eos=True
     )
     engine.add_request(f"{REQUEST_PREFIX}0", alone, greedy)
     _run_to_the_end(engine)
-    engine.add_request(f"{REQUEST_PREFIX}1", together, greedy)
-    engine.add_request(f"{REQUEST_PREFIX}2", beside, sampled)
+    engine.add_request(f"{REQUEST_PREFIX}1", pair_first, greedy)
+    engine.add_request(f"{REQUEST_PREFIX}2", pair_second, sampled)
     engine.step()
     engine.add_request(f"{REQUEST_PREFIX}3", joining, sampled)
     _run_to_the_end(engine)
