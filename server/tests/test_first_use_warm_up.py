@@ -16,8 +16,9 @@ from tgserve.server.testing.fixtures import fixture_path
 
 
 def cpu_engine(warm: bool, **overrides) -> LLMEngine:
+    """The llama fixture on the CPU, 40 blocks of 8 tokens unless overridden."""
     args = dict(model=str(fixture_path("llama")), device="cpu", dtype="float32", block_size=8, num_blocks=40)
-    return LLMEngine(EngineArgs(**args, warm_up=warm, **overrides))
+    return LLMEngine(EngineArgs(**{**args, **overrides}, warm_up=warm))
 
 
 def greedy_tokens(engine: LLMEngine, prompt: list[int], new: int = 8) -> list[int]:
@@ -92,9 +93,7 @@ def test_warm_up_is_for_gpus_unless_asked(asked, runs, monkeypatch):
 def test_warm_up_finishes_within_tight_limits(limits):
     """One sequence at a time, the pair cannot run together; in a six-block pool the prompts shrink:
     either way the warm-up ends with every block free."""
-    args = dict(model=str(fixture_path("llama")), device="cpu", dtype="float32", block_size=8, num_blocks=40)
-    engine = LLMEngine(EngineArgs(**{**args, **limits}, warm_up=True))
-    stats = engine.stats()
+    stats = cpu_engine(True, **limits).stats()
     assert (stats.num_running, stats.num_waiting) == (0, 0)
     assert stats.num_free_blocks == stats.num_total_blocks
 
