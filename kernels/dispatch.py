@@ -89,17 +89,33 @@ def _flash_attn_varlen():
 
 SDPA_MIN_TOKENS = 2048  # prompts this long take SDPA one by one (launch cost negligible)
 
+# A sequence at least this long takes cuDNN's attention first, a shorter one flash's. On an H200
+# cuDNN is the faster kernel on long prompts (a layer of Llama-3-8B's heads: 3.4 against 6.4 ms at
+# 16K tokens, 13.7 against 25.8 at 32K), but it builds an execution plan for each sequence length
+# it has not seen (63-76 ms, then cached), and a prompt of a new length waits for that: below
+# ~13K tokens the build costs more than cuDNN saves over 32 layers. Flash builds nothing and is
+# as fast or faster up to 2K tokens (docs/benchmarks/2026-11-30-residual-epilogue-and-sdpa-plans-h200.md).
+CUDNN_MIN_TOKENS = 12288
+
+
+def sdpa_backends(num_tokens: int) -> list:
+    """SDPA backends in the order to try for one causal sequence of num_tokens (CUDNN_MIN_TOKENS)."""
+    from torch.nn.attention import SDPBackend
+
+    fast = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]
+    if num_tokens < CUDNN_MIN_TOKENS:
+        fast.reverse()
+    return [*fast, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
 
 def _sdpa_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
-    """One causal sequence [n, heads, d] through SDPA, preferring cuDNN, then flash (GQA native).
+    """One causal sequence [n, heads, d] through SDPA, cuDNN or flash first by length (GQA native).
 
-    On an H200 cuDNN is the fastest dense prefill measured (594 TFLOP/s at 32K against 341 for
-    the flash backend), but PyTorch's default priority does not put cuDNN first.
+    PyTorch's default priority does not put cuDNN first, which long prompts want: sdpa_backends.
     """
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import sdpa_kernel
 
-    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-             SDPBackend.MATH]  # fmt: skip
+    order = sdpa_backends(query.shape[0])
     q, k, v = (x.transpose(0, 1)[None] for x in (query, key, value))
     try:
         context = sdpa_kernel(order, set_priority=True)

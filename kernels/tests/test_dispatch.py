@@ -76,6 +76,19 @@ def test_skinny_path_takes_one_row_through_narrow_weights_only():
     assert torch.equal(dispatch.linear(x, w, b), torch.nn.functional.linear(x, w, b))
 
 
+def test_sdpa_tries_flash_first_below_the_cudnn_length_and_cudnn_from_it():
+    """cuDNN builds a plan for each new sequence length: only prompts long enough to repay it
+    take cuDNN first; every backend stays in the list as a fallback."""
+    from torch.nn.attention import SDPBackend
+
+    short, long = dispatch.sdpa_backends(512), dispatch.sdpa_backends(dispatch.CUDNN_MIN_TOKENS)
+    assert short[0] == SDPBackend.FLASH_ATTENTION
+    assert dispatch.sdpa_backends(dispatch.CUDNN_MIN_TOKENS - 1)[0] == SDPBackend.FLASH_ATTENTION
+    assert long[0] == SDPBackend.CUDNN_ATTENTION
+    assert set(short) == set(long) == {SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                                       SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH}  # fmt: skip
+
+
 def test_programmatic_dependent_launch_is_off_for_cpu_tensors():
     """Kernels launched for CPU tensors (the interpreter) compile without the PDL waits."""
     from tgserve.kernels import triton_common

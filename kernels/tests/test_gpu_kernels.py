@@ -54,8 +54,12 @@ def test_paged_prefill_gpu(dtype, heads, window, softcap):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("lens", [[4096], [100, 2000, 1, 777], [3000, 100, 2048, 1, 40]])
-def test_dense_prefill_gpu(dtype, lens):
-    """One sequence and long ones take SDPA (cuDNN first), short ones the Triton varlen kernel."""
+@pytest.mark.parametrize("cudnn_from", [None, 1024])
+def test_dense_prefill_gpu(dtype, lens, cudnn_from, monkeypatch):
+    """One sequence and long ones take SDPA (flash first; cuDNN first from CUDNN_MIN_TOKENS, here
+    lowered to reach it), short ones the Triton varlen kernel."""
+    if cudnn_from is not None:
+        monkeypatch.setattr(dispatch, "CUDNN_MIN_TOKENS", cudnn_from)
     gen = torch.Generator(device="cuda").manual_seed(3)
     total = sum(lens)
     q = torch.randn(total, 32, 128, device="cuda", generator=gen, dtype=dtype)
