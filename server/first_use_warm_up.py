@@ -56,9 +56,10 @@ def warm_up(engine: Any, new_tokens: int = 4) -> float:
     sampler's kernels compile too. Nothing is left behind but the prompts' full blocks in the prefix
     cache, which hold their true KV; the engine's counters are reset.
 
-    The lone prompt is the long one because a single prompt's attention is SDPA's, whose first use
-    at a longer length costs too: after a lone 32-token prompt instead, a 512-token prompt's first
-    token took 0.65 s on an H200 with no Triton compile (0.12 s after the 320-token one).
+    The lone prompt is the long one so that the decode kernel splits its kept row's context. A
+    lone prompt's attention is SDPA's flash kernel, which compiles nothing; from 12,288 tokens it is
+    cuDNN's, which builds a plan for each new length, and no warm-up could cover every length
+    (`dispatch.CUDNN_MIN_TOKENS`).
     """
     start = time.perf_counter()
     block_size = engine.args.block_size
