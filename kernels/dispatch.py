@@ -147,9 +147,9 @@ def dense_prefill(
     """Causal attention of fresh prompts packed back to back, with the fastest kernel at hand.
 
     CUDA order: flash-attn varlen (GQA, window, softcap) if installed; else, without window or
-    softcap, SDPA (cuDNN first) for a single sequence, and for each sequence of at least
-    SDPA_MIN_TOKENS when the host offsets are given, the shorter ones packed into one Triton
-    varlen launch; else Triton varlen for the whole pack.
+    softcap, SDPA (flash or cuDNN first by length: sdpa_backends) for a single sequence, and for
+    each sequence of at least SDPA_MIN_TOKENS when the host offsets are given, the shorter ones
+    packed into one Triton varlen launch; else Triton varlen for the whole pack.
     """
     if not use_triton(query):
         return reference.varlen_attention(query, key, value, cu_seqlens, scale, sliding_window, softcap)
@@ -231,7 +231,7 @@ def fresh_prefill(
         elif end > start:
             cu = torch.zeros(2, dtype=torch.int32, device=query.device)
             cu[1] = end - start  # a scalar fill: no blocking host-to-device copy
-            out[start:end] = dense_prefill(q, k, v, cu, end - start, scale)  # SDPA, cuDNN first
+            out[start:end] = dense_prefill(q, k, v, cu, end - start, scale)  # one sequence: SDPA
     return out
 
 
