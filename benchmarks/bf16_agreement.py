@@ -5,8 +5,8 @@ run once as served and once with each group of Triton kernels swapped for its to
 `kernels/reference.py` (CUDA graphs off: some twins synchronise the host). For every variant it
 prints how many engine steps transformers (SDPA attention) predicts the same given the same prefix,
 from one forward over each whole sequence and from its own cached decode loop over the left-padded
-batch, beside how many eager attention predicts the same as SDPA on those tokens: transformers
-against itself, the scale of bf16 near-ties.
+batch, beside how often transformers agrees with itself on those tokens (eager attention against
+SDPA; SDPA's decode loop against its whole-sequence forward): the scale of bf16 near-ties.
 
 Run on a GPU: python benchmarks/bf16_agreement.py --gguf PATH [--out FILE.json]
 """
@@ -94,11 +94,14 @@ def measure(gguf: Path, patch: dict, prompts_count: int, new_tokens: int, models
             setattr(dispatch, name, fn)
     by_sdpa = [whole_sequence_picks(models["sdpa"], p, t) for p, t in zip(prompts, tokens, strict=True)]
     by_eager = [whole_sequence_picks(models["eager"], p, t) for p, t in zip(prompts, tokens, strict=True)]
+    by_loop = decode_loop_picks(models["sdpa"], prompts, tokens)
     return {
         "steps": sum(len(t) for t in tokens),
         "whole_sequence": count_agreeing(by_sdpa, tokens),
-        "decode_loop": count_agreeing(decode_loop_picks(models["sdpa"], prompts, tokens), tokens),
+        "decode_loop": count_agreeing(by_loop, tokens),
         "eager_vs_sdpa": count_agreeing(by_eager, by_sdpa),
+        # transformers' generate-style loop against its own forward over the same tokens
+        "sdpa_loop_vs_whole": count_agreeing(by_loop, by_sdpa),
     }
 
 
@@ -128,12 +131,13 @@ def main() -> None:
     for name, patch in variants().items():
         rows[name] = measure(args.gguf, patch, args.prompts, args.new_tokens, models, args.device)
         print(name, rows[name], flush=True)
-    print("variant | engine vs sdpa, whole sequence | engine vs sdpa, decode loop | eager vs sdpa")
+    print(
+        "variant | engine vs sdpa, whole sequence | engine vs sdpa, decode loop | eager vs sdpa"
+        " | sdpa's decode loop vs its whole sequence"
+    )
     for name, row in rows.items():
-        steps = row["steps"]
-        print(
-            f"{name} | {row['whole_sequence']}/{steps} | {row['decode_loop']}/{steps} | {row['eager_vs_sdpa']}/{steps}"
-        )
+        counts = [row[k] for k in ("whole_sequence", "decode_loop", "eager_vs_sdpa", "sdpa_loop_vs_whole")]
+        print(name, *(f"{c}/{row['steps']}" for c in counts), sep=" | ")
     if args.out:
         args.out.write_text(json.dumps({"device": device_name(args.device), "rows": rows}, indent=1))
 
