@@ -23,6 +23,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).parent))
 import engine_cuda as bench  # noqa: E402
 
+from tgserve.kernels.testing import compiled_kernel_name  # noqa: E402
 from tgserve.server.engine import EngineArgs, LLMEngine  # noqa: E402
 
 PHASES = [
@@ -43,7 +44,7 @@ class CompileLog:
         self.t0 = time.perf_counter()
 
     def __call__(self, *args, fn=None, key=None, **kwargs) -> bool:
-        name = getattr(getattr(fn, "fn", None), "__name__", None) or getattr(fn, "name", "?")
+        name = compiled_kernel_name(fn)
         line = f"{time.perf_counter() - self.t0:8.2f}s [{self.phase}] {name}"
         if self.phase != "start":
             frames = [f for f in traceback.extract_stack() if "tgserve" in f.filename][-6:]

@@ -83,3 +83,8 @@ def max_abs_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b|| in float64."""
     return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
+
+
+def compiled_kernel_name(fn: object) -> str:
+    """The kernel's name from what Triton's `knobs.runtime.jit_cache_hook` passes as `fn`."""
+    return getattr(getattr(fn, "fn", None), "__name__", None) or getattr(fn, "name", "?")

@@ -168,7 +168,8 @@ class LLMEngine:
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         # Prompt log-probabilities gathered over a request's prefill chunks, sent with its first token.
         self._prompt_logprobs: dict[str, list[TokenLogprob]] = {}
-        if self.device.type == "cuda" if args.warm_up is None else args.warm_up:
+        warm = self.device.type == "cuda" if args.warm_up is None else args.warm_up
+        if warm:
             logger.info("warm-up requests took %.2f s", warm_up(self))
         logger.info(
             "engine ready: %s, %d KV blocks of %d tokens",

@@ -61,6 +61,11 @@ class BlockManager:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
+    def reset_counters(self) -> None:
+        """Zero the prefix cache's lookup counts (the cache's contents stay)."""
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
     # ---- sizes ---------------------------------------------------------------------------------
 
     @property

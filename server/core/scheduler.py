@@ -132,8 +132,7 @@ class Scheduler:
         """Zero the counters since start (preemptions, prefix cache lookups): after the engine's own
         warm-up requests, so that metrics count only what clients asked."""
         self._num_preemptions = 0
-        self.block_manager.prefix_cache_queries = 0
-        self.block_manager.prefix_cache_hits = 0
+        self.block_manager.reset_counters()
 
     def stats(self) -> EngineStats:
         """A snapshot for metrics."""

@@ -111,6 +111,7 @@ def test_warm_up_prompts_leave_room_for_their_new_tokens(room):
 AFTER_WARM_UP = r"""
 import json, sys
 import triton
+from tgserve.kernels.testing import compiled_kernel_name
 from tgserve.server.engine import EngineArgs, LLMEngine
 from tgserve.server.sampling_params import SamplingParams
 
@@ -118,7 +119,7 @@ engine = LLMEngine(EngineArgs(model=sys.argv[1], device="cuda", block_size=16, n
 compiled = []
 
 def record(*args, fn=None, key=None, **kwargs):
-    compiled.append(f'{getattr(getattr(fn, "fn", None), "__name__", None) or getattr(fn, "name", "?")} {key}')
+    compiled.append(f'{compiled_kernel_name(fn)} {key}')
     return False
 
 triton.knobs.runtime.jit_cache_hook = record
