@@ -6,7 +6,9 @@ run once as served and once with each group of Triton kernels swapped for its to
 prints how many engine steps transformers (SDPA attention) predicts the same given the same prefix,
 from one forward over each whole sequence and from its own cached decode loop over the left-padded
 batch, beside how often transformers agrees with itself on those tokens (eager attention against
-SDPA; SDPA's decode loop against its whole-sequence forward): the scale of bf16 near-ties.
+SDPA; SDPA's decode loop against its whole-sequence forward): the scale of bf16 near-ties. Where
+the engine parts from transformers, how far below transformers' largest logit its token lies, in
+the logits' rounding steps (`gaps_in_ulps`).
 
 Run on a GPU: python benchmarks/bf16_agreement.py --gguf PATH [--out FILE.json]
 """
@@ -29,6 +31,8 @@ from tgserve.server.testing.agreement import (
     count_agreeing,
     decode_loop_picks,
     engine_greedy,
+    gaps_in_ulps,
+    whole_sequence_logits,
     whole_sequence_picks,
 )
 
@@ -92,7 +96,9 @@ def measure(gguf: Path, patch: dict, prompts_count: int, new_tokens: int, models
     finally:
         for name, fn in saved.items():
             setattr(dispatch, name, fn)
-    by_sdpa = [whole_sequence_picks(models["sdpa"], p, t) for p, t in zip(prompts, tokens, strict=True)]
+    sdpa_logits = [whole_sequence_logits(models["sdpa"], p, t) for p, t in zip(prompts, tokens, strict=True)]
+    by_sdpa = [logits.argmax(-1).tolist() for logits in sdpa_logits]
+    gaps = [g for logits, t in zip(sdpa_logits, tokens, strict=True) for g in gaps_in_ulps(logits, t)]
     by_eager = [whole_sequence_picks(models["eager"], p, t) for p, t in zip(prompts, tokens, strict=True)]
     by_loop = decode_loop_picks(models["sdpa"], prompts, tokens)
     return {
@@ -102,6 +108,10 @@ def measure(gguf: Path, patch: dict, prompts_count: int, new_tokens: int, models
         "eager_vs_sdpa": count_agreeing(by_eager, by_sdpa),
         # transformers' generate-style loop against its own forward over the same tokens
         "sdpa_loop_vs_whole": count_agreeing(by_loop, by_sdpa),
+        # where the engine parts from sdpa's whole sequence: how far below its largest logit
+        "ties_largest": sum(g == 0 for g in gaps),
+        "within_one_step": sum(g <= 1 for g in gaps),
+        "largest_gap_steps": max(gaps),
     }
 
 
@@ -133,11 +143,13 @@ def main() -> None:
         print(name, rows[name], flush=True)
     print(
         "variant | engine vs sdpa, whole sequence | engine vs sdpa, decode loop | eager vs sdpa"
-        " | sdpa's decode loop vs its whole sequence"
+        " | sdpa's decode loop vs its whole sequence | engine ties sdpa's largest logit | within one"
+        " rounding step | largest gap, steps"
     )
     for name, row in rows.items():
-        counts = [row[k] for k in ("whole_sequence", "decode_loop", "eager_vs_sdpa", "sdpa_loop_vs_whole")]
-        print(name, *(f"{c}/{row['steps']}" for c in counts), sep=" | ")
+        keys = ("whole_sequence", "decode_loop", "eager_vs_sdpa", "sdpa_loop_vs_whole", "ties_largest",
+                "within_one_step")  # fmt: skip
+        print(name, *(f"{row[k]}/{row['steps']}" for k in keys), f"{row['largest_gap_steps']:g}", sep=" | ")
     if args.out:
         args.out.write_text(json.dumps({"device": device_name(args.device), "rows": rows}, indent=1))
 

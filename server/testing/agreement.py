@@ -6,7 +6,8 @@ generates greedily; transformers then predicts every one of those steps given th
 engine's own tokens, teacher-forced), so one early near-tie does not count against every later step.
 Two ways to ask transformers: one forward over the whole sequence a prompt (`whole_sequence_picks`),
 or its own cached decode loop over the batch, left-padded and one token a step as `generate` runs
-it (`decode_loop_picks`).
+it (`decode_loop_picks`). Where they part, `gaps_in_ulps` says by how much: how far below
+transformers' largest logit the engine's token lies, in steps of the logits' own rounding.
 """
 
 from __future__ import annotations
@@ -82,11 +83,28 @@ def engine_greedy(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) 
 
 
 @torch.no_grad()
-def whole_sequence_picks(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> list[int]:
-    """The model's argmax at each of `tokens`' positions, from one forward over prompt + tokens."""
+def whole_sequence_logits(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """The model's logits [len(tokens), vocab] at each of `tokens`' positions, in the model's dtype,
+    from one forward over prompt + tokens."""
     device = next(model.parameters()).device
     ids = torch.tensor([list(prompt) + list(tokens)], device=device)
-    return model(ids).logits[0, len(prompt) - 1 : -1].argmax(-1).tolist()
+    return model(ids).logits[0, len(prompt) - 1 : -1]
+
+
+def whole_sequence_picks(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> list[int]:
+    """The model's argmax at each of `tokens`' positions, from one forward over prompt + tokens."""
+    return whole_sequence_logits(model, prompt, tokens).argmax(-1).tolist()
+
+
+def gaps_in_ulps(logits: torch.Tensor, tokens: list[int]) -> list[float]:
+    """How far below each step's largest logit the logit of that step's token lies, in units of the
+    logits' own rounding step at the largest (for bf16 logits of 16-32, 0.125). 0 where the token
+    ties the largest; a disagreement of 1-2 units is a near-tie that rounding alone can flip."""
+    top = logits.float().max(-1).values
+    picked = logits.float().gather(-1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0]
+    tiny = torch.finfo(logits.dtype).tiny
+    spacing = torch.finfo(logits.dtype).eps * torch.exp2(torch.floor(torch.log2(top.abs().clamp(min=tiny))))
+    return ((top - picked) / spacing).tolist()
 
 
 @torch.no_grad()

@@ -17,6 +17,8 @@ from tgserve.server.testing.agreement import (
     count_agreeing,
     decode_loop_picks,
     engine_greedy,
+    gaps_in_ulps,
+    whole_sequence_logits,
     whole_sequence_picks,
 )
 from tgserve.server.testing.smollm2 import smollm2_checkpoint
@@ -36,6 +38,8 @@ def test_both_measures_reproduce_float32_engine_steps_exactly() -> None:
 
     whole = [whole_sequence_picks(model, p, t) for p, t in zip(prompts, tokens, strict=True)]
     assert count_agreeing(whole, tokens) == len(prompts) * NEW_TOKENS
+    gaps = [gaps_in_ulps(whole_sequence_logits(model, p, t), t) for p, t in zip(prompts, tokens, strict=True)]
+    assert all(g == 0 for row in gaps for g in row)
     assert decode_loop_picks(model, prompts, tokens) == tokens
 
 
@@ -43,3 +47,10 @@ def test_agreement_counts_step_by_step() -> None:
     assert count_agreeing([[1, 2, 3], [4, 5]], [[1, 0, 3], [4, 5]]) == 4
     with pytest.raises(ValueError):
         count_agreeing([[1, 2]], [[1, 2, 3]])
+
+
+def test_gaps_count_rounding_steps_below_the_largest_logit() -> None:
+    # bf16 holds 16-32 in steps of 0.125 and 1-2 in steps of 2**-7.
+    logits = torch.tensor([[16.0, 16.125, 3.0], [1.0, 1.5, 1.5], [-2.0, -1.0, -3.0]], dtype=torch.bfloat16)
+    assert gaps_in_ulps(logits, [0, 2, 0]) == [1.0, 0.0, 128.0]
+    assert gaps_in_ulps(logits[:1].float(), [0]) == [2.0**-3 / 2.0**-19]  # float32 steps at 16: 2**-19
