@@ -17,6 +17,7 @@ import math
 import time
 from typing import Any
 
+from tgserve.kernels.dispatch import CUDNN_MIN_TOKENS
 from tgserve.server.sampling_params import SamplingParams
 
 REQUEST_PREFIX = "tgserve-warm-up-"
@@ -25,6 +26,13 @@ REQUEST_PREFIX = "tgserve-warm-up-"
 # programs (kernels/paged_decode.py, choose_splits), and each prompt's sampled row attends through
 # it; shorter prompts alone left the split kernel to compile on the first real long prompt.
 SPLIT_CONTEXT = 320
+
+# A lone prompt of CUDNN_MIN_TOKENS or more takes cuDNN's attention (kernels/dispatch.py). cuDNN
+# compiles its kernel for a length that is not a multiple of its tile the first time a process meets
+# one, and a fresh container has no such kernel on disk (CUDA's compute cache): 0.6-0.9 s on an H200,
+# on the host, inside the step, against 0.05-0.07 s for a new aligned length. One token past the
+# threshold is such a length, and every later one reuses its kernel.
+CUDNN_ALONE = CUDNN_MIN_TOKENS + 1
 
 
 def warm_up_prompts(block_size: int, room: int, vocab_size: int) -> list[list[int]]:
@@ -41,25 +49,39 @@ def warm_up_prompts(block_size: int, room: int, vocab_size: int) -> list[list[in
 
     long, short = whole(SPLIT_CONTEXT), whole(2 * unit)
     lengths = (long, short, max(1, min(short + 3, room - 5)), max(1, min(short + 5, room - 5)))
+    return [filler_prompt(length, vocab_size) for length in lengths]
+
+
+def filler_prompt(length: int, vocab_size: int) -> list[int]:
     low = min(100, vocab_size - 1)  # clear of the special tokens most vocabularies start with
     span = max(1, vocab_size - low)
-    return [[low + (7919 * i + length) % span for i in range(length)] for length in lengths]
+    return [low + (7919 * i + length) % span for i in range(length)]
+
+
+def cudnn_prompt_length(step_budget: int, room: int, sparse_min_seq_len: int | None) -> int | None:
+    """CUDNN_ALONE where a lone prompt of that length can meet cuDNN: one step holds it whole (a
+    chunked prompt's later chunks attend through the paged kernel), it stays dense (below the sparse
+    threshold), and it leaves `room` for a few new tokens. None where it cannot."""
+    dense = sparse_min_seq_len is None or CUDNN_ALONE < sparse_min_seq_len
+    return CUDNN_ALONE if CUDNN_ALONE <= step_budget and CUDNN_ALONE + 8 <= room and dense else None
 
 
 def warm_up(engine: Any, new_tokens: int = 4) -> float:
     """Run the warm-up requests through `engine` to the end and return the seconds it took.
 
     Three kinds of prompt step, each followed by decode steps: the long prompt alone (greedy), run
-    to the end; then a pair of short prompts together, fresh (the varlen prefill kernel); then, one
-    step later, the last prompt joining while the pair decodes (decode rows beside prompt rows).
+    to the end, and likewise a lone prompt of CUDNN_ALONE tokens where one can meet cuDNN; then a
+    pair of short prompts together, fresh (the varlen prefill kernel); then, one step later, the
+    last prompt joining while the pair decodes (decode rows beside prompt rows).
     The pair's second prompt and the last one are sampled with temperature, top-k and top-p so the
     sampler's kernels compile too. Nothing is left behind but the prompts' full blocks in the prefix
     cache, which hold their true KV; the engine's counters are reset.
 
     The lone prompt is the long one so that the decode kernel splits its kept row's context. A
     lone prompt's attention is SDPA's flash kernel, which compiles nothing; from 12,288 tokens it is
-    cuDNN's, which builds a plan for each new length, and no warm-up could cover every length
-    (`dispatch.CUDNN_MIN_TOKENS`).
+    cuDNN's, which builds a plan for each new length (tens of ms, which no warm-up could cover for
+    every length: `dispatch.CUDNN_MIN_TOKENS`) and compiles a kernel for the first unaligned one,
+    which the CUDNN_ALONE prompt covers.
     """
     start = time.perf_counter()
     block_size = engine.args.block_size
@@ -71,6 +93,11 @@ def warm_up(engine: Any, new_tokens: int = 4) -> float:
     )
     engine.add_request(f"{REQUEST_PREFIX}0", alone, greedy)
     _run_to_the_end(engine)
+    sparse = getattr(engine.runner.backend, "sparse", None)
+    long = cudnn_prompt_length(engine.args.max_num_batched_tokens, room, sparse and sparse.min_seq_len)
+    if long:
+        engine.add_request(f"{REQUEST_PREFIX}cudnn", filler_prompt(long, engine.vocab_size), greedy)
+        _run_to_the_end(engine)
     engine.add_request(f"{REQUEST_PREFIX}1", pair_first, greedy)
     engine.add_request(f"{REQUEST_PREFIX}2", pair_second, sampled)
     engine.step()

@@ -9,8 +9,9 @@ import sys
 import pytest
 import torch
 
+from tgserve.server import first_use_warm_up
 from tgserve.server.engine import EngineArgs, LLMEngine
-from tgserve.server.first_use_warm_up import warm_up, warm_up_prompts
+from tgserve.server.first_use_warm_up import cudnn_prompt_length, warm_up, warm_up_prompts
 from tgserve.server.sampling_params import SamplingParams
 from tgserve.server.testing.fixtures import fixture_path
 
@@ -56,6 +57,37 @@ def test_warm_up_runs_a_lone_prompt_fresh_prompts_together_then_one_beside_decod
     # Multiples of 16, the long one as long as the room allows (160 tokens: 40 blocks of 8, half
     # the pool); then two that are not.
     assert lengths == [144, 32, 35, 37]
+
+
+def test_warm_up_runs_a_lone_prompt_of_cudnn_length_where_one_step_holds_it(monkeypatch):
+    """The CUDNN_ALONE prompt runs alone, whole in one step, after the first lone prompt (its length
+    lowered here so the CPU fixture can hold it)."""
+    monkeypatch.setattr(first_use_warm_up, "CUDNN_ALONE", 41)
+    engine = cpu_engine(False, max_num_batched_tokens=64)
+    steps = []
+    launch = engine.runner.launch
+    engine.runner.launch = lambda scheduled: steps.append(scheduled) or launch(scheduled)
+    warm_up(engine)
+    prompt_steps = [s for s in steps if s.scheduled_new_requests]
+    cudnn = prompt_steps[1]
+    assert [r.request_id for r in cudnn.scheduled_new_requests] == ["tgserve-warm-up-cudnn"]
+    assert not cudnn.scheduled_cached_requests and cudnn.num_scheduled_tokens["tgserve-warm-up-cudnn"] == 41
+    assert len(prompt_steps) == 4
+    assert not engine.needs_step() and engine.stats().num_free_blocks == engine.stats().num_total_blocks
+
+
+@pytest.mark.parametrize(
+    "budget,room,sparse_min,expected",
+    [
+        (16384, 131072, 32768, first_use_warm_up.CUDNN_ALONE),
+        (16384, 131072, None, first_use_warm_up.CUDNN_ALONE),
+        (2048, 131072, None, None),  # the default budget chunks it: the paged kernel, never cuDNN
+        (16384, 8192, None, None),  # no room for it
+        (16384, 131072, 8192, None),  # sparse below it: no dense lone prompt that long
+    ],
+)
+def test_cudnn_prompt_only_where_a_lone_prompt_can_meet_cudnn(budget, room, sparse_min, expected):
+    assert cudnn_prompt_length(budget, room, sparse_min) == expected
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
