@@ -130,7 +130,8 @@ def test_bf16_steps_agree_with_transformers_bf16_smollm2() -> None:
     Every step where they part must be a near-tie: the engine's token within GAP_LIMIT_ULPS rounding
     steps of transformers' largest bf16 logit. transformers against itself parts by 0-2 steps on an
     H200 and up to 4 on CPU, about half of them exact ties, which its argmax breaks by token id; a
-    wrong kernel parts by whole logit units, tens of steps (docs/benchmarks/2026-11-30-bf16-near-ties.md)."""
+    wrong kernel parts by whole logit units, tens of steps
+    (docs/benchmarks/2026-11-30-bf16-near-ties-and-cudnn-kernel-h200.md)."""
     gguf = smollm2_gguf()
     engine = LLMEngine(EngineArgs(model=str(gguf), dtype="bfloat16", max_num_seqs=32, device="cuda"))
     prompts = chat_prompts(engine.tokenizer)
