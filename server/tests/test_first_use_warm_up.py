@@ -31,9 +31,8 @@ def greedy_tokens(engine: LLMEngine, prompt: list[int], new: int = 8) -> list[in
     return tokens
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_warm_up_runs_a_lone_prompt_fresh_prompts_together_then_one_beside_decode_rows(async_scheduling):
-    engine = cpu_engine(False, async_scheduling=async_scheduling)
+def warm_up_prompt_steps(engine: LLMEngine) -> list:
+    """Run the warm-up on `engine`; the scheduler outputs of its steps that start new requests."""
     steps = []
     launch = engine.runner.launch
 
@@ -43,7 +42,12 @@ def test_warm_up_runs_a_lone_prompt_fresh_prompts_together_then_one_beside_decod
 
     engine.runner.launch = recorded
     warm_up(engine)
-    prompt_steps = [s for s in steps if s.scheduled_new_requests]
+    return [s for s in steps if s.scheduled_new_requests]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_warm_up_runs_a_lone_prompt_fresh_prompts_together_then_one_beside_decode_rows(async_scheduling):
+    prompt_steps = warm_up_prompt_steps(cpu_engine(False, async_scheduling=async_scheduling))
     assert len(prompt_steps) == 3
     lone, fresh, mixed = prompt_steps
     ids = lambda requests: [r.request_id for r in requests]  # noqa: E731
@@ -64,11 +68,7 @@ def test_warm_up_runs_a_lone_prompt_of_cudnn_length_where_one_step_holds_it(monk
     lowered here so the CPU fixture can hold it)."""
     monkeypatch.setattr(first_use_warm_up, "CUDNN_ALONE", 41)
     engine = cpu_engine(False, max_num_batched_tokens=64)
-    steps = []
-    launch = engine.runner.launch
-    engine.runner.launch = lambda scheduled: steps.append(scheduled) or launch(scheduled)
-    warm_up(engine)
-    prompt_steps = [s for s in steps if s.scheduled_new_requests]
+    prompt_steps = warm_up_prompt_steps(engine)
     cudnn = prompt_steps[1]
     assert [r.request_id for r in cudnn.scheduled_new_requests] == ["tgserve-warm-up-cudnn"]
     assert not cudnn.scheduled_cached_requests and cudnn.num_scheduled_tokens["tgserve-warm-up-cudnn"] == 41
