@@ -31,7 +31,7 @@ from tgserve.server.testing.agreement import (
     count_agreeing,
     decode_loop_picks,
     engine_greedy,
-    gaps_in_ulps,
+    summarise_gaps,
     whole_sequence_logits,
     whole_sequence_picks,
 )
@@ -98,7 +98,6 @@ def measure(gguf: Path, patch: dict, prompts_count: int, new_tokens: int, models
             setattr(dispatch, name, fn)
     sdpa_logits = [whole_sequence_logits(models["sdpa"], p, t) for p, t in zip(prompts, tokens, strict=True)]
     by_sdpa = [logits.argmax(-1).tolist() for logits in sdpa_logits]
-    gaps = [g for logits, t in zip(sdpa_logits, tokens, strict=True) for g in gaps_in_ulps(logits, t)]
     by_eager = [whole_sequence_picks(models["eager"], p, t) for p, t in zip(prompts, tokens, strict=True)]
     by_loop = decode_loop_picks(models["sdpa"], prompts, tokens)
     return {
@@ -109,9 +108,7 @@ def measure(gguf: Path, patch: dict, prompts_count: int, new_tokens: int, models
         # transformers' generate-style loop against its own forward over the same tokens
         "sdpa_loop_vs_whole": count_agreeing(by_loop, by_sdpa),
         # where the engine parts from sdpa's whole sequence: how far below its largest logit
-        "ties_largest": sum(g == 0 for g in gaps),
-        "within_one_step": sum(g <= 1 for g in gaps),
-        "largest_gap_steps": max(gaps),
+        **summarise_gaps(sdpa_logits, tokens),
     }
 
 

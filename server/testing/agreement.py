@@ -107,6 +107,17 @@ def gaps_in_ulps(logits: torch.Tensor, tokens: list[int]) -> list[float]:
     return ((top - picked) / spacing).tolist()
 
 
+def summarise_gaps(logits: list[torch.Tensor], tokens: list[list[int]]) -> dict[str, float]:
+    """Over every step of every sequence (`logits[i]` judging `tokens[i]`, as `gaps_in_ulps`): the
+    steps whose token ties the largest logit, those within one rounding step of it, the largest gap."""
+    gaps = [g for rows, picked in zip(logits, tokens, strict=True) for g in gaps_in_ulps(rows, picked)]
+    return {
+        "ties_largest": sum(g == 0 for g in gaps),
+        "within_one_step": sum(g <= 1 for g in gaps),
+        "largest_gap_steps": max(gaps, default=0.0),
+    }
+
+
 @torch.no_grad()
 def decode_loop_picks(
     model: torch.nn.Module, prompts: list[list[int]], tokens: list[list[int]]

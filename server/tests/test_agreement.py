@@ -18,6 +18,7 @@ from tgserve.server.testing.agreement import (
     decode_loop_picks,
     engine_greedy,
     gaps_in_ulps,
+    summarise_gaps,
     whole_sequence_logits,
     whole_sequence_picks,
 )
@@ -54,3 +55,8 @@ def test_gaps_count_rounding_steps_below_the_largest_logit() -> None:
     logits = torch.tensor([[16.0, 16.125, 3.0], [1.0, 1.5, 1.5], [-2.0, -1.0, -3.0]], dtype=torch.bfloat16)
     assert gaps_in_ulps(logits, [0, 2, 0]) == [1.0, 0.0, 128.0]
     assert gaps_in_ulps(logits[:1].float(), [0]) == [2.0**-3 / 2.0**-19]  # float32 steps at 16: 2**-19
+    assert summarise_gaps([logits, logits[:1]], [[0, 2, 0], [1]]) == {
+        "ties_largest": 2,
+        "within_one_step": 3,
+        "largest_gap_steps": 128.0,
+    }

@@ -19,7 +19,7 @@ from tgserve.server.testing.agreement import (
     count_agreeing,
     decode_loop_picks,
     engine_greedy,
-    gaps_in_ulps,
+    summarise_gaps,
     whole_sequence_logits,
     whole_sequence_picks,
 )
@@ -142,7 +142,7 @@ def test_bf16_steps_agree_with_transformers_bf16_smollm2() -> None:
     sdpa_logits = [whole_sequence_logits(sdpa, p, t) for p, t in zip(prompts, tokens, strict=True)]
     by_sdpa = [logits.argmax(-1).tolist() for logits in sdpa_logits]
     by_eager = [whole_sequence_picks(eager, p, t) for p, t in zip(prompts, tokens, strict=True)]
-    gaps = [g for logits, t in zip(sdpa_logits, tokens, strict=True) for g in gaps_in_ulps(logits, t)]
+    gaps = summarise_gaps(sdpa_logits, tokens)
     total = sum(len(t) for t in tokens)
     whole = count_agreeing(by_sdpa, tokens)
     by_loop = decode_loop_picks(sdpa, prompts, tokens)
@@ -152,10 +152,12 @@ def test_bf16_steps_agree_with_transformers_bf16_smollm2() -> None:
         f"bf16 steps agreeing with transformers (sdpa): {whole}/{total} whole sequence, "
         f"{decode_loop}/{total} its decode loop; its eager attention: {eager_agree}/{total}; "
         f"its decode loop against its whole sequence: {count_agreeing(by_loop, by_sdpa)}/{total}; "
-        f"the engine's token ties transformers' largest logit on {sum(g == 0 for g in gaps)}/{total}, "
-        f"within one rounding step on {sum(g <= 1 for g in gaps)}/{total}, at most {max(gaps):g} steps below"
+        f"the engine's token ties transformers' largest logit on {gaps['ties_largest']}/{total}, "
+        f"within one rounding step on {gaps['within_one_step']}/{total}, "
+        f"at most {gaps['largest_gap_steps']:g} steps below"
     )
-    assert max(gaps) <= GAP_LIMIT_ULPS, f"a step {max(gaps):g} rounding steps below transformers' pick"
+    largest = gaps["largest_gap_steps"]
+    assert largest <= GAP_LIMIT_ULPS, f"a step {largest:g} rounding steps below transformers' pick"
     bound = max(0.97, eager_agree / total - 0.01)
     assert whole / total >= bound, f"{whole}/{total} steps agree (whole sequence)"
     assert decode_loop / total >= bound, f"{decode_loop}/{total} steps agree (decode loop)"
