@@ -9,6 +9,7 @@ paged_prefill   Triton: varlen queries over the paged cache (chunked prefill, pr
                 over a fresh packed prompt
 fused           Triton: RMSNorm (optionally after the residual add), rotary, SiLU-and-multiply
 triton_common   shared Triton pieces (online-softmax tile step, softcap)
+triton_support  the Triton version the CUDA kernels need, checked when the CUDA backend is chosen
 sparse/         MInference-style sparse prefill: pattern configs, estimation, index, kernel
 testing         paged test batches and error metrics (tests and benchmarks)
 bench/          GPU benchmark, sparse-accuracy and sparse-profile scripts (not part of the package)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import re
 import shutil
 import subprocess
 import sys
@@ -31,3 +33,23 @@ def test_image_serves_like_tgi(dockerfile):
     text = (ROOT / dockerfile).read_text()
     assert 'ENTRYPOINT ["tgserve", "serve"]' in text
     assert "HF_HOME=/data" in text and "PORT=80" in text and "EXPOSE 80" in text
+
+
+def test_cuda_image_torch_meets_the_cuda_extra():
+    """The base image's torch (and the Triton it pairs with) must satisfy the cuda extra: an older
+    base made pip replace torch at build time, or the kernels fail to import at run time."""
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    text = (ROOT / "Dockerfile.cuda").read_text()
+    base = re.search(r"ARG PYTORCH_IMAGE=pytorch/pytorch:(\d+\.\d+\.\d+)-cuda", text)
+    assert base, "Dockerfile.cuda names its pytorch/pytorch base in ARG PYTORCH_IMAGE"
+    extra_line = re.search(r"^cuda = (\[.*\])$", (ROOT / "pyproject.toml").read_text(), re.MULTILINE)
+    extra = ast.literal_eval(extra_line[1])
+    torch_requirement = next(r for r in map(Requirement, extra) if r.name == "torch")
+    assert Version(base[1]) in torch_requirement.specifier
+
+
+def test_cuda_image_keeps_compiled_kernels_in_the_volume():
+    text = (ROOT / "Dockerfile.cuda").read_text()
+    assert "TRITON_CACHE_DIR=/data/" in text and "CUDA_CACHE_PATH=/data/" in text

@@ -75,7 +75,10 @@ class AttentionBackend(ABC):
 def attention_backend(device: torch.device, sparse: SparseConfig | None = None) -> AttentionBackend:
     """The backend for a device; each is imported only when chosen."""
     if device.type == "cuda":
+        from tgserve.kernels.triton_support import check_triton, installed_triton
         from tgserve.server.attention.cuda import CudaAttentionBackend
+
+        check_triton(installed_triton())
 
         return CudaAttentionBackend(sparse)
     if device.type == "cpu":
