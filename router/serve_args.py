@@ -86,7 +86,8 @@ FLAGS: tuple[Flag, ...] = (
         "gpu-memory-utilization",
         float,
         0.9,
-        "Share of GPU memory for weights, activations and the KV cache, which gets what is left",
+        "This server's share of GPU memory (others' use not counted) for weights, activations and the "
+        "KV cache, which gets what is left",
     ),
     Flag("cuda-graphs", parse_bool, True, "Replay decode steps as CUDA graphs (CUDA)"),
     Flag(

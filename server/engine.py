@@ -61,7 +61,9 @@ class EngineArgs:
     static_shapes: bool | None = None
     buckets: BucketConfig = BucketConfig()  # the static shapes' buckets (tgi-gaudi's knobs)
     # CUDA only
-    gpu_memory_utilization: float = 0.9  # share of the GPU the engine may fill; the KV pool gets the rest
+    # This engine's share of the GPU's memory (others' use not counted, as in vLLM); the KV pool gets
+    # what the weights and the largest step leave of it.
+    gpu_memory_utilization: float = 0.9
     cuda_graphs: bool = True  # decode steps replay captured graphs (batch sizes up to max_cuda_graph_batch)
     max_cuda_graph_batch: int = 256
     sparse_prefill: bool = True  # prompts of at least sparse_min_seq_len tokens take sparse attention

@@ -1,10 +1,15 @@
 """Sizing the KV pool on a GPU: whatever `gpu_memory_utilization` of the device leaves after the
-weights, the peak activations of the largest step, and memory outside PyTorch (CUDA context, cuBLAS
-workspaces), measured by running that largest step once.
+weights, the peak activations of the largest step, and memory outside PyTorch (cuBLAS workspaces,
+NCCL buffers), measured by running that largest step once.
+
+The utilization is this server's own share of the device, as in vLLM: memory that other processes
+held when it started is not charged to it, so two servers on one GPU can each take 0.45. A server
+whose share is not free at start-up stops before loading its weights, saying who holds the rest.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
 
@@ -15,20 +20,65 @@ from tgserve.server.attention.metadata import AttentionMetadata
 logger = logging.getLogger(__name__)
 
 
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class DeviceAtStart:
+    """The device when this server started, before it loaded anything."""
+
+    free_bytes: int
+    total_bytes: int
+    held_outside_bytes: int  # not by this process's allocator: other processes, this CUDA context
+    allocated_bytes: int = 0  # by this process's allocator already (another engine built in it)
+
+
+def device_at_start(device: torch.device) -> DeviceAtStart:
+    # An engine built and dropped earlier in this process (the offline API) may still sit in a
+    # reference cycle, and its freed blocks in the allocator's cache: both go back first.
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    held_outside = max(0, total - free - torch.cuda.memory_reserved(device))
+    return DeviceAtStart(free, total, held_outside, torch.cuda.memory_allocated(device))
+
+
+def check_share_is_free(start: DeviceAtStart, utilization: float) -> None:
+    """Raise, naming the memory others hold, when this server's share of the device is not free."""
+    if not 0.0 < utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+    share = utilization * start.total_bytes
+    if start.free_bytes < share:
+        raise RuntimeError(
+            f"gpu_memory_utilization={utilization} gives this server {share / GIB:.1f} GiB of the GPU's "
+            f"{start.total_bytes / GIB:.1f} GiB, but only {start.free_bytes / GIB:.1f} GiB are free: other "
+            f"processes hold {start.held_outside_bytes / GIB:.1f} GiB. Lower --gpu-memory-utilization "
+            f"(servers sharing a GPU each take their own share, 0.45 for two) or free the GPU"
+        )
+
+
+def kv_budget_bytes(
+    total: int, utilization: float, weights: int, activation_peak: int, non_torch: int
+) -> int:
+    """What the server's share leaves for the KV cache (<= 0: nothing)."""
+    return int(total * utilization) - weights - activation_peak - non_torch
+
+
 @dataclass(frozen=True)
 class MemoryProfile:
     total_bytes: int
     weights_bytes: int  # allocated by PyTorch before the profiling step: weights and buffers
     activation_peak_bytes: int  # the profiling step's peak on top of that
-    non_torch_bytes: int  # used on the device but not by PyTorch's allocator
+    non_torch_bytes: int  # used on the device since start-up but not by PyTorch's allocator
     kv_budget_bytes: int
+    held_outside_bytes: int = 0  # by other processes (and the CUDA context) at start-up, not charged
 
     def describe(self) -> str:
-        gib = 1 << 30
         return (
-            f"GPU memory: {self.total_bytes / gib:.1f} GiB total, weights {self.weights_bytes / gib:.2f} GiB, "
-            f"activation peak {self.activation_peak_bytes / gib:.2f} GiB, outside PyTorch "
-            f"{self.non_torch_bytes / gib:.2f} GiB, KV cache {self.kv_budget_bytes / gib:.2f} GiB"
+            f"GPU memory: {self.total_bytes / GIB:.1f} GiB total, weights {self.weights_bytes / GIB:.2f} GiB, "
+            f"activation peak {self.activation_peak_bytes / GIB:.2f} GiB, outside PyTorch "
+            f"{self.non_torch_bytes / GIB:.2f} GiB, KV cache {self.kv_budget_bytes / GIB:.2f} GiB "
+            f"(other processes and the CUDA context: {self.held_outside_bytes / GIB:.2f} GiB)"
         )
 
 
@@ -61,14 +111,19 @@ def profile_kv_budget(
     block_size: int,
     utilization: float,
     device: torch.device,
+    start: DeviceAtStart | None = None,
 ) -> MemoryProfile:
-    """Run the largest prefill step the scheduler can produce and measure what it needs."""
+    """Run the largest prefill step the scheduler can produce and measure what it needs. What was
+    held at `start` (default: nothing), outside this process's allocator or inside it, is not
+    charged to this engine."""
     if not 0.0 < utilization <= 1.0:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+    start = start or DeviceAtStart(0, 0, 0)
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    weights = torch.cuda.memory_allocated(device)
+    before = torch.cuda.memory_allocated(device)
+    weights = before - start.allocated_bytes
     metadata = dummy_prefill_metadata(num_tokens, num_seqs, block_size, device)
     ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
     positions = torch.cat([torch.arange(n, device=device) for n in metadata.seq_lens_cpu])
@@ -77,16 +132,17 @@ def profile_kv_budget(
     # The sampler works on a float32 copy of the logits, and log-softmaxes it for logprobs.
     torch.log_softmax(logits.float(), dim=-1)
     torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - weights
+    peak = torch.cuda.max_memory_allocated(device) - before
     free, total = torch.cuda.mem_get_info(device)
-    non_torch = max(0, (total - free) - torch.cuda.memory_reserved(device))
-    budget = int(total * utilization) - weights - peak - non_torch
+    non_torch = max(0, (total - free) - torch.cuda.memory_reserved(device) - start.held_outside_bytes)
+    budget = kv_budget_bytes(total, utilization, weights, peak, non_torch)
     if budget <= 0:
         raise RuntimeError(
-            f"no GPU memory left for the KV cache at gpu_memory_utilization={utilization}: weights take "
-            f"{weights / 2**30:.2f} GiB and a {num_tokens}-token step {peak / 2**30:.2f} GiB of "
-            f"{total / 2**30:.1f} GiB; lower --max-batch-prefill-tokens or raise the utilization"
+            f"no GPU memory left for the KV cache at gpu_memory_utilization={utilization}: of this server's "
+            f"{total * utilization / GIB:.1f} GiB, weights take {weights / GIB:.2f} GiB, a {num_tokens}-token "
+            f"step {peak / GIB:.2f} GiB and memory outside PyTorch {non_torch / GIB:.2f} GiB; lower "
+            f"--max-batch-prefill-tokens or raise the utilization"
         )
     del logits
     torch.cuda.empty_cache()
-    return MemoryProfile(total, weights, peak, non_torch, budget)
+    return MemoryProfile(total, weights, peak, non_torch, budget, start.held_outside_bytes)

@@ -19,7 +19,7 @@ from tgserve.server.cuda_graphs import DecodeGraphs
 from tgserve.server.distributed import TensorParallel
 from tgserve.server.kv_cache import allocate_kv_caches, kv_cache_specs, num_blocks_for_memory
 from tgserve.server.loader import ModelSource
-from tgserve.server.memory import MemoryProfile, profile_kv_budget
+from tgserve.server.memory import MemoryProfile, check_share_is_free, device_at_start, profile_kv_budget
 from tgserve.server.model_loader import load_model
 from tgserve.server.runner import ModelRunner
 from tgserve.server.static_shapes.buckets import StaticShapes
@@ -51,6 +51,12 @@ class ModelShard:
         max_model_len: int,
     ) -> None:
         self.args, self.source, self.device, self.max_model_len = args, source, device, max_model_len
+        # Before the weights: what others hold is not this server's, and a share that is not free
+        # fails here rather than after a long load.
+        self.device_at_start = None
+        if device.type == "cuda" and not args.num_blocks and not args.kv_cache_memory_bytes:
+            self.device_at_start = device_at_start(device)
+            check_share_is_free(self.device_at_start, args.gpu_memory_utilization)
         model = load_model(
             source,
             config,
@@ -105,6 +111,7 @@ class ModelShard:
             args.block_size,
             args.gpu_memory_utilization,
             self.device,
+            self.device_at_start,
         )
         self.runner.kv_caches = []
         logger.info(self.memory_profile.describe())
