@@ -19,6 +19,9 @@ import httpx
 import pytest
 
 STARTUP_TIMEOUT_S = 600  # a cold SmolLM2 load on two busy cores
+# On a GPU host every server of the session and the tests' offline engines share the GPU, each with
+# its own share of its memory (the CPU ignores it): the suite starts about ten servers.
+GPU_SHARE = 0.05
 API_KEY = "integration-secret"
 TINY_ARGS = ["--max-input-tokens", "64", "--max-total-tokens", "256", "--api-key", API_KEY]
 
@@ -46,6 +49,8 @@ class ServerProcess:
             "127.0.0.1",
             "--port",
             str(self.port),
+            "--gpu-memory-utilization",
+            str(GPU_SHARE),
         ]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("API_KEY", None)
@@ -112,6 +117,14 @@ def start_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     yield start
     for server in servers:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def offline_llm():
+    """offline_llm(model=None): the offline `LLM` API, with a server's share of a GPU (GPU_SHARE)."""
+    from tgserve import LLM
+
+    return lambda model=None: LLM(model, gpu_memory_utilization=GPU_SHARE)
 
 
 @pytest.fixture(scope="session")

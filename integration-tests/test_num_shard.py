@@ -6,8 +6,14 @@ from __future__ import annotations
 import time
 
 import httpx
+import pytest
+import torch
 
 
+# On a GPU host each shard takes a GPU of its own.
+@pytest.mark.skipif(
+    torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="two shards need two GPUs here"
+)
 def test_two_shards_serve_the_tokens_of_one(start_server, tiny_model, tiny_server):
     sharded = start_server(["--model-id", tiny_model, "--num-shard", "2"], name="sharded")
     body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 12, "details": True}}

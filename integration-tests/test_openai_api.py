@@ -11,11 +11,11 @@ PROMPTS = ["Hello! How are you today?", "The capital of France is", "def add(a, 
 
 
 @pytest.fixture(scope="module")
-def offline(tiny_model):
+def offline(tiny_model, offline_llm):
     """Greedy reference outputs from the offline `LLM` API, in this process."""
-    from tgserve import LLM, SamplingParams
+    from tgserve import SamplingParams
 
-    llm = LLM(tiny_model)
+    llm = offline_llm(tiny_model)
     outputs = llm.generate(PROMPTS, SamplingParams(max_new_tokens=16, temperature=0.0))
     return {prompt: output for prompt, output in zip(PROMPTS, outputs)}
 
@@ -117,11 +117,11 @@ def test_models_route(client):
 
 
 @pytest.fixture(scope="module")
-def offline_prompt_logprobs(tiny_model):
-    from tgserve import LLM, SamplingParams
+def offline_prompt_logprobs(tiny_model, offline_llm):
+    from tgserve import SamplingParams
 
     scored = SamplingParams(max_new_tokens=1, temperature=0.0, prompt_logprobs=2)
-    output = LLM(tiny_model).generate([PROMPTS[1]], scored)[0]
+    output = offline_llm(tiny_model).generate([PROMPTS[1]], scored)[0]
     return output.prompt_token_ids, output.prompt_logprobs
 
 

@@ -31,10 +31,10 @@ def test_capital_of_france_is_paris(client):
     assert "Paris" in response.choices[0].message.content
 
 
-def test_greedy_tokens_equal_the_offline_api(smol_server, client):
-    from tgserve import LLM, SamplingParams
+def test_greedy_tokens_equal_the_offline_api(smol_server, client, offline_llm):
+    from tgserve import SamplingParams
 
-    offline = LLM().generate([PROMPT], SamplingParams(max_new_tokens=12, temperature=0.0))[0]
+    offline = offline_llm().generate([PROMPT], SamplingParams(max_new_tokens=12, temperature=0.0))[0]
     response = httpx.post(
         f"{smol_server.url}/generate",
         json={"inputs": PROMPT, "parameters": {"max_new_tokens": 12, "details": True}},

@@ -48,12 +48,14 @@ def test_return_full_text_and_stop(client):
         assert cut.details.finish_reason == "stop_sequence"
 
 
-def test_decoder_input_details_scores_the_prompt(client, tiny_model):
-    from tgserve import LLM, SamplingParams
+def test_decoder_input_details_scores_the_prompt(client, tiny_model, offline_llm):
+    from tgserve import SamplingParams
 
     prompt = "The capital of France is"
     output = client.text_generation(prompt, max_new_tokens=3, details=True, decoder_input_details=True)
-    offline = LLM(tiny_model).generate([prompt], SamplingParams(max_new_tokens=1, prompt_logprobs=0))[0]
+    offline = offline_llm(tiny_model).generate([prompt], SamplingParams(max_new_tokens=1, prompt_logprobs=0))[
+        0
+    ]
     prefill = output.details.prefill
     assert [t.id for t in prefill] == offline.prompt_token_ids
     assert prefill[0].logprob is None
