@@ -52,9 +52,15 @@ def check_share_is_free(start: DeviceAtStart, utilization: float) -> None:
         raise RuntimeError(
             f"gpu_memory_utilization={utilization} gives this server {share / GIB:.1f} GiB of the GPU's "
             f"{start.total_bytes / GIB:.1f} GiB, but only {start.free_bytes / GIB:.1f} GiB are free: other "
-            f"processes hold {start.held_outside_bytes / GIB:.1f} GiB. Lower --gpu-memory-utilization "
-            f"(servers sharing a GPU each take their own share, 0.45 for two) or free the GPU"
+            f"processes hold {start.held_outside_bytes / GIB:.1f} GiB{_own_part(start)}. Lower "
+            f"--gpu-memory-utilization (servers sharing a GPU each take their own share, 0.45 for two) or "
+            f"free the GPU"
         )
+
+
+def _own_part(start: DeviceAtStart) -> str:
+    """What this process holds already (engines built before in it), when it holds anything."""
+    return f", this process {start.allocated_bytes / GIB:.1f} GiB" if start.allocated_bytes else ""
 
 
 def kv_budget_bytes(

@@ -29,6 +29,14 @@ def test_a_share_others_hold_names_them_and_the_way_out():
     assert "other processes hold 127.0 GiB" in message and "--gpu-memory-utilization" in message
 
 
+def test_what_this_process_holds_is_named_too():
+    start = DeviceAtStart(
+        free_bytes=20 * GIB, total_bytes=140 * GIB, held_outside_bytes=1 * GIB, allocated_bytes=119 * GIB
+    )
+    with pytest.raises(RuntimeError, match=r"other processes hold 1.0 GiB, this process 119.0 GiB\."):
+        check_share_is_free(start, 0.5)
+
+
 @pytest.mark.parametrize("utilization", [0.0, -0.1, 1.5])
 def test_a_share_outside_zero_to_one_is_refused(utilization):
     start = DeviceAtStart(free_bytes=140 * GIB, total_bytes=140 * GIB, held_outside_bytes=0)
