@@ -63,13 +63,6 @@ def _own_part(start: DeviceAtStart) -> str:
     return f", this process {start.allocated_bytes / GIB:.1f} GiB" if start.allocated_bytes else ""
 
 
-def kv_budget_bytes(
-    total: int, utilization: float, weights: int, activation_peak: int, non_torch: int
-) -> int:
-    """What the server's share leaves for the KV cache (<= 0: nothing)."""
-    return int(total * utilization) - weights - activation_peak - non_torch
-
-
 @dataclass(frozen=True)
 class MemoryProfile:
     total_bytes: int
@@ -141,7 +134,7 @@ def profile_kv_budget(
     peak = torch.cuda.max_memory_allocated(device) - before
     free, total = torch.cuda.mem_get_info(device)
     non_torch = max(0, (total - free) - torch.cuda.memory_reserved(device) - start.held_outside_bytes)
-    budget = kv_budget_bytes(total, utilization, weights, peak, non_torch)
+    budget = int(total * utilization) - weights - peak - non_torch
     if budget <= 0:
         raise RuntimeError(
             f"no GPU memory left for the KV cache at gpu_memory_utilization={utilization}: of this server's "
