@@ -110,14 +110,11 @@ def profile_kv_budget(
     block_size: int,
     utilization: float,
     device: torch.device,
-    start: DeviceAtStart | None = None,
+    start: DeviceAtStart,
 ) -> MemoryProfile:
     """Run the largest prefill step the scheduler can produce and measure what it needs. What was
-    held at `start` (default: nothing), outside this process's allocator or inside it, is not
-    charged to this engine."""
-    if not 0.0 < utilization <= 1.0:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
-    start = start or DeviceAtStart(0, 0, 0)
+    held at `start`, outside this process's allocator or inside it, is not charged to this engine;
+    check_share_is_free has checked the utilization against it."""
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)

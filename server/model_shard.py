@@ -54,7 +54,7 @@ class ModelShard:
         # Before the weights: what others hold is not this server's, and a share that is not free
         # fails here rather than after a long load.
         self.device_at_start = None
-        if device.type == "cuda" and not args.num_blocks and not args.kv_cache_memory_bytes:
+        if self._profiles_gpu_memory():
             self.device_at_start = device_at_start(device)
             check_share_is_free(self.device_at_start, args.gpu_memory_utilization)
         model = load_model(
@@ -91,6 +91,11 @@ class ModelShard:
             config = dataclasses.replace(config, min_seq_len=self.args.sparse_min_seq_len)
         return config
 
+    def _profiles_gpu_memory(self) -> bool:
+        """Whether the KV pool is sized by profiling GPU memory: neither blocks nor bytes are given."""
+        args = self.args
+        return self.device.type == "cuda" and not args.num_blocks and not args.kv_cache_memory_bytes
+
     def size_kv_pool(self) -> int:
         """Blocks in the KV pool: as given, else what the profiled GPU memory or the CPU budget holds.
 
@@ -100,7 +105,7 @@ class ModelShard:
         if args.num_blocks:
             return args.num_blocks
         scratch = self.runner.backend.scratch_blocks  # allocated beyond the block manager's blocks
-        if self.device.type != "cuda" or args.kv_cache_memory_bytes:
+        if not self._profiles_gpu_memory():
             memory = args.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
             return max(1, num_blocks_for_memory(self.specs, args.block_size, memory) - scratch)
         self.runner.kv_caches = allocate_kv_caches(self.specs, 1, args.block_size, self.device)
