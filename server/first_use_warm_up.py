@@ -26,6 +26,8 @@ REQUEST_PREFIX = "tgserve-warm-up-"
 # programs (kernels/paged_decode.py, choose_splits), and each prompt's sampled row attends through
 # it; shorter prompts alone left the split kernel to compile on the first real long prompt.
 SPLIT_CONTEXT = 320
+# Tokens each warm-up prompt leaves free of `room` for its new tokens.
+NEW_TOKEN_ROOM = 8
 
 # A lone prompt of CUDNN_MIN_TOKENS or more takes cuDNN's attention (kernels/dispatch.py). cuDNN
 # compiles its kernel for a length that is not a multiple of its tile the first time a process meets
@@ -41,7 +43,7 @@ def warm_up_prompts(block_size: int, room: int, vocab_size: int) -> list[list[in
     short ones past a multiple of 16. Each leaves `room` (the tokens a request may hold:
     context and half the KV pool, whichever is less) for a few new tokens."""
     unit = math.lcm(block_size, 16)
-    fits = max(1, room - 8)
+    fits = max(1, room - NEW_TOKEN_ROOM)
 
     def whole(length: int) -> int:
         capped = min(length, fits)
@@ -63,7 +65,8 @@ def cudnn_prompt_length(step_budget: int, room: int, sparse_min_seq_len: int | N
     chunked prompt's later chunks attend through the paged kernel), it stays dense (below the sparse
     threshold), and it leaves `room` for a few new tokens. None where it cannot."""
     dense = sparse_min_seq_len is None or CUDNN_ALONE < sparse_min_seq_len
-    return CUDNN_ALONE if CUDNN_ALONE <= step_budget and CUDNN_ALONE + 8 <= room and dense else None
+    fits = CUDNN_ALONE <= step_budget and CUDNN_ALONE + NEW_TOKEN_ROOM <= room
+    return CUDNN_ALONE if fits and dense else None
 
 
 def warm_up(engine: Any, new_tokens: int = 4) -> float:
