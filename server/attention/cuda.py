@@ -92,7 +92,10 @@ class CudaAttentionBackend(AttentionBackend):
         query over its own context: a 128K-token prompt's last layer skips its prompt attention
         (sparse or dense) and runs the split-context decode kernel on one row."""
         plan = cuda_step_plan(metadata)
-        if plan.kind == "decode":  # every row is a sequence's only query: nothing to skip
+        # A decode step's rows are each a sequence's only query: nothing to skip. A fresh step padded
+        # to a static shape keeps one block-table column (its prompt attention reads none), so its
+        # rows cannot be read back from the cache: they take the prompt attention of every row.
+        if plan.kind == "decode" or not metadata.tables_cover_contexts:
             return super().forward_rows(query, key, value, kv_cache, metadata, layer, rows)
         dispatch.write_kv(key, value, kv_cache, metadata.slot_mapping)
         block_tables, seq_lens = rows_as_sequences(metadata, rows)

@@ -50,6 +50,12 @@ class AttentionMetadata:
     def max_seq_len(self) -> int:
         return max(self.seq_lens_cpu, default=0)
 
+    @property
+    def tables_cover_contexts(self) -> bool:
+        """Every sequence's block table names a block for each position of its context (a fresh
+        step padded to a static shape keeps only one column: nothing in its prompt attention reads it)."""
+        return self.block_tables.shape[1] * self.block_size >= self.max_seq_len
+
 
 def rows_as_sequences(metadata: AttentionMetadata, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(block_tables, seq_lens) that make each of `rows` a sequence of one query: its own sequence's

@@ -14,6 +14,8 @@ from tgserve.server.attention.backend import AttentionLayerParams
 from tgserve.server.attention.cpu import CpuAttentionBackend
 from tgserve.server.attention.metadata import AttentionMetadata
 from tgserve.server.kv_cache import KVCacheSpec
+from tgserve.server.static_shapes.buckets import BucketConfig, StaticShapes
+from tgserve.server.static_shapes.padding import pad_metadata
 
 
 def dense_reference(q, k, v, scale, window, softcap):
@@ -33,9 +35,10 @@ def dense_reference(q, k, v, scale, window, softcap):
 
 
 def run_backend(contexts, q_lens, num_heads, num_kv, dim, block_size, window, softcap, seed=0, backend=None,
-                rows=None):  # fmt: skip
+                rows=None, static=None):  # fmt: skip
     """Earlier tokens are written first (as previous steps would), then one step of q_lens per
-    sequence; with rows, only those query rows are asked for (and expected)."""
+    sequence; with rows, only those query rows are asked for (and expected); with static
+    (StaticShapes), the step is padded to its bucket first, as the static-shape runner pads it."""
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(math.ceil(n / block_size) for n in contexts) + 3
     cache = torch.zeros(2, num_blocks, block_size, num_kv, dim)
@@ -81,12 +84,22 @@ def run_backend(contexts, q_lens, num_heads, num_kv, dim, block_size, window, so
     if rows is None:
         return backend.forward(query, key, value, cache, meta, layer), expected
     rows = torch.tensor(rows, dtype=torch.long)
-    out = backend.forward_rows(query, key, value, cache, meta, layer, rows)
+    kept = len(rows)
+    if static is not None:
+        shape = static.shape_for(len(query), len(contexts), width, kept, meta.is_fresh)
+        meta = pad_metadata(meta, shape)
+        query, key, value = (pad_rows(t, shape.num_tokens) for t in (query, key, value))
+        rows = pad_rows(rows, shape.num_logits)  # padding logit rows repeat row 0
+    out = backend.forward_rows(query, key, value, cache, meta, layer, rows)[:kept]
     # Every row's keys and values were stored: the cache now answers a full step's queries too.
     for (_q, k, v), table, n in zip(full, tables, contexts):
         slots = torch.tensor([slot(table, p) for p in range(n)], dtype=torch.long)
         assert torch.equal(cache[0].flatten(0, 1)[slots], k) and torch.equal(cache[1].flatten(0, 1)[slots], v)
-    return out, expected[rows]
+    return out, expected[rows[:kept]]
+
+
+def pad_rows(t: torch.Tensor, length: int) -> torch.Tensor:
+    return torch.cat([t, t.new_zeros(length - len(t), *t.shape[1:])])
 
 
 @pytest.mark.parametrize("num_heads,num_kv", [(4, 4), (8, 2), (8, 1)])
@@ -139,6 +152,26 @@ def test_kept_rows_match_dense(backend_name, case, window, softcap):
     contexts, q_lens, rows = ROW_CASES[case]
     out, expected = run_backend(
         contexts, q_lens, 8, 2, 16, 4, window, softcap, seed=7, backend=backend, rows=rows
+    )
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend_name", ["cpu", "cuda"])
+@pytest.mark.parametrize("case", list(ROW_CASES))
+def test_kept_rows_of_steps_padded_to_static_shapes_match_dense(backend_name, case):
+    """The static-shape runner (Gaudi's, run on CUDA too) pads a step to its bucket; a fresh step's
+    block table keeps one column, which the cuda backend's kept rows must not read as their context
+    (on a GPU they read past the table: an illegal memory access)."""
+    from tgserve.server.attention.cuda import CudaAttentionBackend
+
+    backend = CpuAttentionBackend() if backend_name == "cpu" else CudaAttentionBackend()
+    contexts, q_lens, rows = ROW_CASES[case]
+    static = StaticShapes(
+        BucketConfig(token_step=16, batch_step=4, prefill_batch_step=2),
+        max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, block_size=4,
+    )  # fmt: skip
+    out, expected = run_backend(
+        contexts, q_lens, 8, 2, 16, 4, None, None, seed=7, backend=backend, rows=rows, static=static
     )
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
