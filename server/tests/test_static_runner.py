@@ -28,7 +28,7 @@ ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), rea
 
 
 def serve(
-    arch: str, buckets: BucketConfig | None, device: str = "cpu"
+    arch: str, buckets: BucketConfig | None, device: str = "cpu", **overrides
 ) -> tuple[dict[str, list[int]], LLMEngine]:
     engine = LLMEngine(
         EngineArgs(
@@ -37,7 +37,7 @@ def serve(
             buckets=buckets or BucketConfig(),
             device=device,
             dtype="float32",
-            **TIGHT,
+            **{**TIGHT, **overrides},
         )
     )
     requests = build_requests(engine.vocab_size, PROMPT_LENGTHS)
@@ -78,6 +78,22 @@ def test_bucketed_steps_on_cuda_with_graphs(arch: str, device: str) -> None:
         return
     assert graphs is not None and sorted(graphs.graphs) == engine.runner.static.decode_batch
     assert graphs.num_replays > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_bucketed_steps_through_the_cuda_backend_on_cpu(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cuda backend's step logic (which path a step takes, the last layer's kept rows, what it
+    reads of the block tables) over padded steps, on CPU tensors: its kernels fall back to their
+    torch twins, so what the GPU test above finds as an illegal memory access fails here as an
+    IndexError, on every run of the suite."""
+    from tgserve.server import model_shard
+    from tgserve.server.attention.cuda import CudaAttentionBackend
+
+    expected, _ = serve(arch, None)
+    monkeypatch.setattr(model_shard, "attention_backend", lambda device, sparse: CudaAttentionBackend(sparse))
+    got, engine = serve(arch, BUCKETS, warm_up=True)  # as on a GPU: its lone prompt is a fresh step
+    assert isinstance(engine.runner.backend, CudaAttentionBackend)
+    assert got == expected
 
 
 def test_padding_keeps_real_rows_in_place_and_adds_nothing_attended() -> None:
