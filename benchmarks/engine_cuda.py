@@ -191,13 +191,13 @@ def recording_indices(folder: Path | None) -> contextlib.AbstractContextManager:
 
 
 def long_prompt_section(args: argparse.Namespace, model_dir: Path) -> dict[str, float]:
-    """(c): sparse prefill needs the whole prompt in one step, so this engine's budget is the prompt."""
+    """(c) at the default step budget: a prompt past the sparse threshold is prefilled whole, in a
+    step of its own (the scheduler's whole_prompt_tokens), which sparse prefill needs."""
     engine = LLMEngine(
         EngineArgs(
             model=str(model_dir),
             load_format="dummy",
             max_num_seqs=1,
-            max_num_batched_tokens=args.long_prompt,
             max_model_len=args.long_prompt + 16,
             gpu_memory_utilization=args.gpu_memory_utilization,
             cuda_graphs=False,

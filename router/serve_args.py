@@ -114,7 +114,7 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag("enable-hpu-graph", parse_bool, True, "Replay steps as graphs (HPU graphs; CUDA graphs on CUDA)"),
     Flag("limit-hpu-graph", parse_bool, False, "Graphs for decode steps only (saves device memory)"),
-    Flag("sparse-prefill", parse_bool, True, "Sparse attention for long prompts (CUDA)"),
+    Flag("sparse-prefill", parse_bool, True, "Sparse attention for long prompts, prefilled whole (CUDA)"),
     Flag("sparse-min-tokens", int, None, "Shortest prompt that takes sparse prefill (default: the config's)"),
     Flag("sparse-config", str, None, "Per-layer sparse patterns, JSON (default: the model's, else built in)"),
     Flag("prefix-caching", parse_bool, True, "Reuse the KV cache of shared prompt prefixes"),

@@ -11,6 +11,9 @@ class SchedulerConfig:
 
     max_num_batched_tokens: the per-step token budget; a prompt longer than what is left of it is
     prefilled in chunks. max_num_seqs: requests running at once. num_blocks x block_size tokens of KV.
+    whole_prompt_tokens: a prompt with at least this many tokens left to compute after its prefix-cache
+    hit is prefilled whole, in a step of its own, whatever the budget (None: never). Sparse prefill
+    needs the whole prompt in one step: chunks would each attend densely over the paged context.
     """
 
     max_num_batched_tokens: int = 2048
@@ -19,9 +22,13 @@ class SchedulerConfig:
     block_size: int = 16
     num_blocks: int = 1024
     enable_prefix_caching: bool = True
+    whole_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size", "num_blocks"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        whole = self.whole_prompt_tokens
+        if whole is not None and (not isinstance(whole, int) or whole <= 0):
+            raise ValueError(f"whole_prompt_tokens must be a positive integer or None, got {whole!r}")

@@ -161,6 +161,7 @@ class LLMEngine:
                 block_size=args.block_size,
                 num_blocks=self.num_blocks,
                 enable_prefix_caching=args.enable_prefix_caching,
+                whole_prompt_tokens=self.shard.whole_prompt_tokens,
             )
         )
         self._last_step = (0, 0)

@@ -103,8 +103,21 @@ def dummy_prefill_metadata(
     )
 
 
-def profile_kv_budget(
-    forward,  # (input_ids, positions, metadata, logits_indices) -> logits, over a placeholder KV cache
+def check_kv_budget(profile: MemoryProfile, num_tokens: int, utilization: float) -> MemoryProfile:
+    """The profile of the largest `num_tokens`-token step, if it leaves memory for the KV cache."""
+    if profile.kv_budget_bytes <= 0:
+        raise RuntimeError(
+            f"no GPU memory left for the KV cache at gpu_memory_utilization={utilization}: of this server's "
+            f"{profile.total_bytes * utilization / GIB:.1f} GiB, weights take {profile.weights_bytes / GIB:.2f} "
+            f"GiB, a {num_tokens}-token step {profile.activation_peak_bytes / GIB:.2f} GiB and memory outside "
+            f"PyTorch {profile.non_torch_bytes / GIB:.2f} GiB; lower --max-batch-prefill-tokens or raise the "
+            "utilization"
+        )
+    return profile
+
+
+def profile_step(
+    forward,
     num_tokens: int,
     num_seqs: int,
     block_size: int,
@@ -112,9 +125,10 @@ def profile_kv_budget(
     device: torch.device,
     start: DeviceAtStart,
 ) -> MemoryProfile:
-    """Run the largest prefill step the scheduler can produce and measure what it needs. What was
-    held at `start`, outside this process's allocator or inside it, is not charged to this engine;
-    check_share_is_free has checked the utilization against it."""
+    """Run a prefill step of `num_tokens` tokens over `num_seqs` sequences and measure what it needs:
+    the KV budget is what the weights and it leave of this server's share (zero or less when nothing
+    is left: `check_kv_budget`). What was held at `start`, outside this process's allocator or inside
+    it, is not charged to this engine; check_share_is_free has checked the utilization against it."""
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
@@ -132,13 +146,6 @@ def profile_kv_budget(
     free, total = torch.cuda.mem_get_info(device)
     non_torch = max(0, (total - free) - torch.cuda.memory_reserved(device) - start.held_outside_bytes)
     budget = int(total * utilization) - weights - peak - non_torch
-    if budget <= 0:
-        raise RuntimeError(
-            f"no GPU memory left for the KV cache at gpu_memory_utilization={utilization}: of this server's "
-            f"{total * utilization / GIB:.1f} GiB, weights take {weights / GIB:.2f} GiB, a {num_tokens}-token "
-            f"step {peak / GIB:.2f} GiB and memory outside PyTorch {non_torch / GIB:.2f} GiB; lower "
-            f"--max-batch-prefill-tokens or raise the utilization"
-        )
     del logits
     torch.cuda.empty_cache()
     return MemoryProfile(total, weights, peak, non_torch, budget, start.held_outside_bytes)

@@ -19,7 +19,14 @@ from tgserve.server.cuda_graphs import DecodeGraphs
 from tgserve.server.distributed import TensorParallel
 from tgserve.server.kv_cache import allocate_kv_caches, kv_cache_specs, num_blocks_for_memory
 from tgserve.server.loader import ModelSource
-from tgserve.server.memory import MemoryProfile, check_share_is_free, device_at_start, profile_kv_budget
+from tgserve.server.memory import (
+    GIB,
+    MemoryProfile,
+    check_kv_budget,
+    check_share_is_free,
+    device_at_start,
+    profile_step,
+)
 from tgserve.server.model_loader import load_model
 from tgserve.server.runner import ModelRunner
 from tgserve.server.static_shapes.buckets import StaticShapes
@@ -78,6 +85,16 @@ class ModelShard:
             )
         self.memory_profile: MemoryProfile | None = None
         self.num_blocks = 0  # until `allocate`
+        self.whole_prompt_tokens = self._whole_prompt_tokens()
+
+    def _whole_prompt_tokens(self) -> int | None:
+        """From what length prompts are prefilled whole, in a step of their own (the scheduler's
+        `whole_prompt_tokens`): the backend's (the sparse threshold on CUDA) where the model's
+        length reaches it. Static shapes bucket every step under the token budget: none there."""
+        whole = self.runner.backend.whole_prompt_tokens
+        if whole is None or whole > self.max_model_len or self.buckets is not None:
+            return None
+        return whole
 
     def _sparse_config(self) -> SparseConfig | None:
         """Sparse prefill patterns: the given file, else the model's `sparse_attention.json`, else defaults."""
@@ -99,7 +116,8 @@ class ModelShard:
     def size_kv_pool(self) -> int:
         """Blocks in the KV pool: as given, else what the profiled GPU memory or the CPU budget holds.
 
-        On a GPU this runs the largest step once: with several shards, every rank must call it.
+        On a GPU this runs the largest step (and, where long prompts are prefilled whole, a whole
+        prompt of the model's length): with several shards, every rank must call it.
         """
         args = self.args
         if args.num_blocks:
@@ -109,21 +127,40 @@ class ModelShard:
             memory = args.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
             return max(1, num_blocks_for_memory(self.specs, args.block_size, memory) - scratch)
         self.runner.kv_caches = allocate_kv_caches(self.specs, 1, args.block_size, self.device)
-        self.memory_profile = profile_kv_budget(
-            self.runner.forward,
-            args.max_num_batched_tokens,
-            args.max_num_seqs,
-            args.block_size,
-            args.gpu_memory_utilization,
-            self.device,
-            self.device_at_start,
+        on_this_gpu = dict(block_size=args.block_size, utilization=args.gpu_memory_utilization, device=self.device,
+                           start=self.device_at_start)  # fmt: skip
+        forward = self.runner.forward
+        budget_step = profile_step(forward, args.max_num_batched_tokens, args.max_num_seqs, **on_this_gpu)
+        self.memory_profile = check_kv_budget(
+            budget_step, args.max_num_batched_tokens, args.gpu_memory_utilization
         )
+        if self.whole_prompt_tokens is not None:
+            self._profile_whole_prompt(profile_step(forward, self.max_model_len, 1, **on_this_gpu))
         self.runner.kv_caches = []
         logger.info(self.memory_profile.describe())
         return max(
             1,
             num_blocks_for_memory(self.specs, args.block_size, self.memory_profile.kv_budget_bytes) - scratch,
         )
+
+    def _profile_whole_prompt(self, longest: MemoryProfile) -> None:
+        """Keep the smaller KV budget of the two largest steps: the token budget's, and a whole prompt
+        of the model's length (`longest`). Where that prompt's step leaves less than one request of
+        that length needs, long prompts are chunked instead (dense attention), and the log says so."""
+        one_request = self.max_model_len * sum(spec.bytes_per_token() for spec in self.specs)
+        if longest.kv_budget_bytes >= one_request:
+            self.memory_profile = min(self.memory_profile, longest, key=lambda p: p.kv_budget_bytes)
+            return
+        logger.warning(
+            "prompts of %d tokens or more are prefilled in chunks, with dense attention: a whole %d-token "
+            "prompt's step leaves %.2f GiB for the KV cache, less than the %.2f GiB one such request needs "
+            "(lower --max-total-tokens or raise --gpu-memory-utilization to prefill them whole, sparse)",
+            self.whole_prompt_tokens,
+            self.max_model_len,
+            max(longest.kv_budget_bytes, 0) / GIB,
+            one_request / GIB,
+        )
+        self.whole_prompt_tokens = None
 
     def allocate(self, num_blocks: int) -> None:
         """The KV pool, then (CUDA) the decode graphs, which capture steps over it, then (static

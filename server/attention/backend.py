@@ -34,6 +34,12 @@ class AttentionBackend(ABC):
     # its host lists): then a padded step can be replayed from a graph recorded for its shape.
     shape_only: bool = False
 
+    @property
+    def whole_prompt_tokens(self) -> int | None:
+        """Prompts at least this long are worth prefilling whole, in a step of their own (sparse
+        attention needs every key of the prompt in the step); None: chunks are as good."""
+        return None
+
     def graph_wrap(self, module: nn.Module) -> nn.Module:
         """The module replayed as a graph per input shape, where the device records graphs that way
         (HPU graphs); the module itself elsewhere."""

@@ -55,6 +55,10 @@ class CudaAttentionBackend(AttentionBackend):
     def __init__(self, sparse: SparseConfig | None = None) -> None:
         self.sparse = sparse
 
+    @property
+    def whole_prompt_tokens(self) -> int | None:
+        return None if self.sparse is None else self.sparse.min_seq_len
+
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, layer: AttentionLayerParams):
         plan = cuda_step_plan(metadata)
         window = layer.spec.sliding_window

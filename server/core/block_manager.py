@@ -103,11 +103,11 @@ class BlockManager:
 
         Returns (block_ids, num_computed_tokens). At least one token is always left to compute,
         because the step that computes it is the one that produces the next token's logits.
-        Counts prefix-cache queries and hits in tokens, once per request until it is freed.
-        Allocates nothing: pass the blocks to `allocate_slots`.
+        Allocates nothing: pass the blocks to `allocate_slots`, and what the request is admitted
+        with to `count_lookup`.
         """
-        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
-            return [], 0  # prompt log-probabilities need every prompt position computed
+        if not self._looks_up(request):
+            return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         block_ids: list[int] = []
         for block_hash in self._block_hashes(request, max_blocks):
@@ -115,12 +115,19 @@ class BlockManager:
             if block_id is None:
                 break
             block_ids.append(block_id)
-        num_computed = len(block_ids) * self.block_size
-        if request.request_id not in self._lookups_counted:
+        return block_ids, len(block_ids) * self.block_size
+
+    def _looks_up(self, request: Request) -> bool:
+        # Prompt log-probabilities need every prompt position computed.
+        return self.enable_prefix_caching and request.sampling_params.prompt_logprobs is None
+
+    def count_lookup(self, request: Request, num_computed: int) -> None:
+        """Count an admitted request's prompt as prefix-cache queries and the `num_computed` tokens
+        it takes from the cache as hits, in tokens, once per request until it is freed."""
+        if self._looks_up(request) and request.request_id not in self._lookups_counted:
             self._lookups_counted.add(request.request_id)
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_computed
-        return block_ids, num_computed
 
     def cache_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register the hashes of the request's blocks that computed tokens now fill completely."""

@@ -2,7 +2,9 @@
 
 Each step hands out a token budget: running requests first, in the order they were admitted (a
 decoding request gets one token, a prompt still being prefilled gets the next chunk), then waiting
-requests first come, first served. When blocks run out the newest running request is preempted:
+requests first come, first served. One exception: with `whole_prompt_tokens` set (sparse prefill on
+CUDA), a prompt that long at the head of the queue is prefilled whole, past the budget, in a step
+of its own. When blocks run out the newest running request is preempted:
 its blocks are freed and it is recomputed later. Plain Python; the model runner sees only the
 `SchedulerOutput`.
 """
@@ -155,11 +157,12 @@ class Scheduler:
         """Plan the next step; its tokens count as computed from here on (the output's request data
         carry the counts from before the step, where the runner starts)."""
         plan = _StepPlan(self.config.max_num_batched_tokens)
-        self._schedule_running(plan)
-        # After a preemption the pool is known to be short: admitting newcomers would only get them
-        # (or the requests just preempted) preempted again.
-        if not plan.preempted:
-            self._schedule_waiting(plan)
+        if not self._schedule_whole_prompt(plan):
+            self._schedule_running(plan)
+            # After a preemption the pool is known to be short: admitting newcomers would only get
+            # them (or the requests just preempted) preempted again.
+            if not plan.preempted:
+                self._schedule_waiting(plan)
         finished = self._finished_ids | plan.preempted
         self._finished_ids = set()
         total = sum(plan.num_scheduled.values())
@@ -235,6 +238,37 @@ class Scheduler:
         # Victims are taken newest first, so each older one goes in front of the newer ones.
         self.waiting.appendleft(request)
 
+    def _schedule_whole_prompt(self, plan: _StepPlan) -> bool:
+        """A whole prompt at the head of the queue (`SchedulerConfig.whole_prompt_tokens`) runs
+        alone in this step when the pool holds it: running requests wait for one step, as they
+        would behind any long prefill. Returns whether it was scheduled."""
+        whole = self.config.whole_prompt_tokens
+        if whole is None or not self.waiting or len(self.running) >= self.config.max_num_seqs:
+            return False
+        request = self.waiting[0]
+        if request.num_tokens < whole:
+            return False  # not long enough whatever the cache holds: no lookup
+        _, num_cached = self.block_manager.get_computed_blocks(request)
+        if not self._runs_whole(request, num_cached):
+            return False
+        # Its cached prefix is not used: sparse prefill attends over the step's own keys only.
+        if self.block_manager.allocate_slots(request, request.num_tokens) is None:
+            return False  # it waits (FCFS) while the running requests go on and free blocks
+        self._admit(plan, request, 0, request.num_tokens)
+        return True
+
+    def _runs_whole(self, request: Request, num_cached: int) -> bool:
+        """Whether a waiting request is prefilled whole: at least `whole_prompt_tokens` left after its
+        cached prefix, and no prompt log-probabilities (whose logits rows a whole step would hold
+        for every prompt token at once). It has no token in flight."""
+        whole = self.config.whole_prompt_tokens
+        return (
+            whole is not None
+            and request.num_tokens - num_cached >= whole
+            and request.sampling_params.prompt_logprobs is None
+            and not request.num_output_placeholders
+        )
+
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         bm = self.block_manager
         while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -244,27 +278,34 @@ class Scheduler:
             # A waiting request (new or preempted) has nothing in its own blocks; look up the cache
             # each time it is tried, since blocks may have been cached or evicted since.
             computed_blocks, num_cached = bm.get_computed_blocks(request)
+            if self._runs_whole(request, num_cached):
+                break  # it runs in a step of its own (FCFS: nobody overtakes it)
             num_new = min(request.num_tokens - num_cached, plan.budget)
-            new_blocks = bm.allocate_slots(request, num_new, computed_blocks)
-            if new_blocks is None:
+            if bm.allocate_slots(request, num_new, computed_blocks) is None:
                 break  # FCFS: nobody overtakes the head of the queue
-            self.waiting.popleft()
-            self.running.append(request)
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_cached
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_cached
-            plan.new.append(
-                NewRequestData(
-                    request_id=request.request_id,
-                    token_ids=list(request.all_token_ids),
-                    num_prompt_tokens=request.num_prompt_tokens,
-                    block_ids=bm.get_block_ids(request.request_id),
-                    num_computed_tokens=num_cached,
-                    sampling_params=request.sampling_params,
-                )
+            self._admit(plan, request, num_cached, num_new)
+
+    def _admit(self, plan: _StepPlan, request: Request, num_cached: int, num_new: int) -> None:
+        """Move the head of the queue, whose blocks are allocated, to running with `num_new` tokens."""
+        bm = self.block_manager
+        self.waiting.popleft()
+        self.running.append(request)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_cached
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_cached
+        bm.count_lookup(request, num_cached)
+        plan.new.append(
+            NewRequestData(
+                request_id=request.request_id,
+                token_ids=list(request.all_token_ids),
+                num_prompt_tokens=request.num_prompt_tokens,
+                block_ids=bm.get_block_ids(request.request_id),
+                num_computed_tokens=num_cached,
+                sampling_params=request.sampling_params,
             )
-            plan.add(request, num_new)
+        )
+        plan.add(request, num_new)
 
     # ---- after the step --------------------------------------------------------------------------
 

@@ -59,13 +59,16 @@ def test_prefix_hit_after_free_and_stats() -> None:
     prompt = list(range(10))
     a = make_request("a", prompt)
     assert bm.get_computed_blocks(a) == ([], 0)
+    bm.count_lookup(a, 0)
     compute(bm, a, 10)
     bm.free(a)
     b = make_request("b", prompt[:8] + [99, 98, 97])
     blocks, n = bm.get_computed_blocks(b)
     assert (blocks, n) == ([0, 1], 8)
+    assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (10, 0)  # a lookup alone counts nothing
+    bm.count_lookup(b, n)  # admitted with its hit
     assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (10 + 11, 8)
-    bm.get_computed_blocks(b)  # a second look while it waits is not a second query
+    bm.count_lookup(b, n)  # counted once until it is freed
     assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (21, 8)
 
 

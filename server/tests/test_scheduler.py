@@ -93,7 +93,17 @@ class FakeRunner:
 def check_invariants(sched: Scheduler, out: SchedulerOutput) -> None:
     config = sched.config
     assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
-    assert out.total_num_scheduled_tokens <= config.max_num_batched_tokens
+    whole = [
+        new
+        for new in out.scheduled_new_requests
+        if config.whole_prompt_tokens
+        and out.num_scheduled_tokens[new.request_id] >= config.whole_prompt_tokens
+    ]
+    if whole:  # a whole prompt: alone in its step, every token of it computed there
+        assert list(out.num_scheduled_tokens) == [whole[0].request_id] and whole[0].num_computed_tokens == 0
+        assert out.total_num_scheduled_tokens == len(whole[0].token_ids)
+    else:
+        assert out.total_num_scheduled_tokens <= config.max_num_batched_tokens
     assert sched.num_running <= config.max_num_seqs
     for request_id in out.num_scheduled_tokens:
         request = sched.get_request(request_id)
@@ -190,6 +200,80 @@ def test_decodes_go_first_and_a_new_prompt_takes_the_rest_of_the_budget() -> Non
     assert [n.request_id for n in out.scheduled_new_requests] == ["b"]
     out, _ = step(sched, runner)
     assert out.num_scheduled_tokens == {"a": 1, "b": 7}
+
+
+def test_a_long_prompt_is_prefilled_whole_in_a_step_of_its_own() -> None:
+    """Sparse prefill needs a whole prompt in one step: past `whole_prompt_tokens` a prompt is not
+    chunked; the running requests wait that one step, then everyone goes on."""
+    sched, runner = setup(max_num_batched_tokens=8, whole_prompt_tokens=20)
+    a = make("a", [1, 2, 3], max_new_tokens=6)
+    sched.add_request(a)
+    step(sched, runner)
+    long, short = (
+        make("long", list(range(100, 130)), max_new_tokens=3),
+        make("short", [5, 6], max_new_tokens=2),
+    )
+    sched.add_request(long)
+    sched.add_request(short)
+    out, _ = step(sched, runner)
+    assert out.num_scheduled_tokens == {"long": 30}
+    out, _ = step(sched, runner)
+    assert out.num_scheduled_tokens == {"a": 1, "long": 1, "short": 2}
+    run(sched, runner)
+    assert a.output_token_ids == reference([1, 2, 3], 6) and long.output_token_ids == reference(
+        list(range(100, 130)), 3
+    )
+    assert short.output_token_ids == reference([5, 6], 2)
+
+
+def test_a_prompt_under_the_whole_prompt_length_is_chunked() -> None:
+    sched, runner = setup(max_num_batched_tokens=8, whole_prompt_tokens=20)
+    request = make("a", list(range(19)), max_new_tokens=1)
+    sched.add_request(request)
+    assert [out.num_scheduled_tokens["a"] for out in run(sched, runner)] == [8, 8, 3]
+
+
+def test_a_long_prompt_waits_for_its_blocks_and_nobody_overtakes_it() -> None:
+    sched, runner = setup(num_blocks=9, max_num_batched_tokens=8, whole_prompt_tokens=20)
+    running = make("r", list(range(12)), max_new_tokens=4)  # 3 blocks, then a 4th
+    sched.add_request(running)
+    for _ in range(2):
+        step(sched, runner)
+    long, small = make("long", list(range(200, 228)), max_new_tokens=2), make("small", [7], max_new_tokens=2)
+    sched.add_request(long)  # 7 blocks: free only once "r" has finished
+    sched.add_request(small)
+    scheduled = [dict(out.num_scheduled_tokens) for out in run(sched, runner)]
+    first_long = scheduled.index({"long": 28})
+    assert first_long > 0 and all(step == {"r": 1} for step in scheduled[:first_long])
+    assert running.is_finished and scheduled[first_long + 1] == {"long": 1, "small": 1}
+    assert long.output_token_ids == reference(list(range(200, 228)), 2)
+
+
+def test_a_prefix_hit_that_leaves_a_whole_prompt_is_not_used() -> None:
+    """Sparse prefill attends over the step's own keys: a long remainder after a cached prefix is
+    computed whole, prefix and all (and its lookup counts no hit); a short remainder uses the hit."""
+    sched, runner = setup(max_num_batched_tokens=8, whole_prompt_tokens=20)
+    document = list(range(300, 332))
+    sched.add_request(make("first", document, max_new_tokens=1))
+    run(sched, runner)
+    hits = sched.stats().prefix_cache_hits
+    long = make("long", document[:8] + list(range(400, 420)), max_new_tokens=1)  # 8 cached, 20 to go
+    sched.add_request(long)
+    out, _ = step(sched, runner)
+    assert out.num_scheduled_tokens == {"long": 28} and out.scheduled_new_requests[0].num_computed_tokens == 0
+    assert long.num_cached_tokens == 0 and sched.stats().prefix_cache_hits == hits
+    run(sched, runner)
+    follow_up = make("follow-up", document + [1, 2, 3], max_new_tokens=1)  # 32 cached, 3 to go
+    sched.add_request(follow_up)
+    out, _ = step(sched, runner)
+    assert out.num_scheduled_tokens == {"follow-up": 3} and follow_up.num_cached_tokens == 32
+
+
+def test_a_long_prompt_with_prompt_logprobs_is_chunked() -> None:
+    """Prompt log-probabilities keep a logits row per prompt token: a whole step would hold them all."""
+    sched, runner = setup(max_num_batched_tokens=8, whole_prompt_tokens=20)
+    sched.add_request(make("a", list(range(24)), max_new_tokens=1, prompt_logprobs=1))
+    assert [out.num_scheduled_tokens["a"] for out in run(sched, runner)] == [8, 8, 8]
 
 
 def test_many_requests_joining_at_different_steps_match_reference() -> None:
@@ -473,12 +557,22 @@ def drive_random_load(
     return load
 
 
-def test_random_load_with_shared_prefixes_preemptions_and_aborts() -> None:
-    sched, runner = setup(num_blocks=16, max_num_batched_tokens=20, max_num_seqs=6)
-    load = drive_random_load(sched, lambda: step(sched, runner), seed=1, rounds=60, admit_until=40)
+@pytest.mark.parametrize("whole_prompt_tokens", [None, 12])
+def test_random_load_with_shared_prefixes_preemptions_and_aborts(whole_prompt_tokens: int | None) -> None:
+    sched, runner = setup(
+        num_blocks=16, max_num_batched_tokens=20, max_num_seqs=6, whole_prompt_tokens=whole_prompt_tokens
+    )
+    steps: list[SchedulerOutput] = []
+    load = drive_random_load(
+        sched, lambda: steps.append(step(sched, runner)[0]), seed=1, rounds=60, admit_until=40
+    )
     expected, requests, aborted = load.expected, load.requests, load.aborted
-    run(sched, runner)
+    steps += run(sched, runner)
     assert sched.num_preemptions > 0 and sched.block_manager.prefix_cache_hits > 0 and aborted
+    longest_step = max(out.total_num_scheduled_tokens for out in steps)
+    assert (
+        longest_step > 20 if whole_prompt_tokens else longest_step <= 20
+    )  # whole prompts ran past the budget
     for request in requests:
         if request.request_id not in aborted:
             assert request.output_token_ids == expected[request.request_id]

@@ -1,0 +1,97 @@
+"""Long prompts on the cuda backend: prefilled whole, in a step of their own, so that sparse
+attention sees every key of the prompt; the engine's wiring of the scheduler's rule, on CPU.
+
+On CPU tensors the cuda backend's kernels fall back to their torch twins (sparse prefill included),
+so the engine runs here exactly as on a GPU, kernels aside. A sparse config whose every head is
+dense keeps the attention exact: the tokens must be those of the plain CPU engine, which chunks.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tgserve.kernels import dispatch
+from tgserve.kernels.sparse.config import HeadPattern, SparseConfig
+from tgserve.server import model_shard
+from tgserve.server.attention.cuda import CudaAttentionBackend
+from tgserve.server.engine import EngineArgs, LLMEngine
+from tgserve.server.sampling_params import SamplingParams
+from tgserve.server.testing.fixtures import fixture_path
+
+WHOLE = 64
+EXACT_SPARSE = SparseConfig(default=HeadPattern("dense"), min_seq_len=WHOLE, block=16, last_q=16)
+LIMITS = dict(max_num_batched_tokens=32, max_num_seqs=8, block_size=8, num_blocks=64, max_model_len=256)
+
+
+def engine(**overrides) -> LLMEngine:
+    args = dict(model=str(fixture_path("llama")), device="cpu", dtype="float32", **LIMITS)
+    return LLMEngine(EngineArgs(**{**args, **overrides}))
+
+
+def serve(llm: LLMEngine, prompts: dict[str, list[int]], new_tokens: int = 4) -> tuple[dict, list[dict]]:
+    """Every prompt's greedy tokens and every step's scheduled tokens per request. The first prompt
+    arrives alone and decodes while the others arrive."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
+    outputs: dict[str, list[int]] = {rid: [] for rid in prompts}
+    steps: list[dict[str, int]] = []
+    launch = llm.runner.launch
+    llm.runner.launch = lambda out: steps.append(dict(out.num_scheduled_tokens)) or launch(out)
+    for i, (rid, prompt) in enumerate(prompts.items()):
+        llm.add_request(rid, list(prompt), params)
+        if i == 0:
+            for out in llm.step():
+                outputs[out.request_id].extend(out.new_token_ids)
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            outputs[out.request_id].extend(out.new_token_ids)
+    return outputs, steps
+
+
+def use_cuda_backend(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Engines built from here on take the cuda backend with EXACT_SPARSE in place of the cpu one;
+    returns the lengths of the prompts that go through sparse attention (one entry per layer)."""
+    monkeypatch.setattr(
+        model_shard, "attention_backend", lambda device, sparse: CudaAttentionBackend(EXACT_SPARSE)
+    )
+    sparse_lengths: list[int] = []
+    sparse_one = dispatch._sparse_one
+    monkeypatch.setattr(
+        dispatch,
+        "_sparse_one",
+        lambda q, *rest, **kw: sparse_lengths.append(len(q)) or sparse_one(q, *rest, **kw),
+    )
+    return sparse_lengths
+
+
+def test_a_long_prompt_runs_whole_and_sparse_beside_running_requests(monkeypatch: pytest.MonkeyPatch) -> None:
+    prompts = {"short": list(range(5, 25)), "long": list(range(30, 130)), "medium": list(range(200, 240))}
+    expected, chunked = serve(engine(), prompts)
+    sparse_lengths = use_cuda_backend(monkeypatch)
+    llm = engine()
+    assert llm.scheduler.config.whole_prompt_tokens == WHOLE
+    got, steps = serve(llm, prompts)
+    assert got == expected
+    assert {"long": 100} in steps and all(
+        step["long"] == 1 for step in steps if "long" in step and step != {"long": 100}
+    )
+    assert (
+        max(step.get("medium", 0) for step in steps) <= LIMITS["max_num_batched_tokens"]
+    )  # under WHOLE: chunked
+    # Every layer but the last, which attends only the row its logit reads, as a decode query.
+    assert sparse_lengths and sparse_lengths == [100] * (llm.config.num_hidden_layers - 1)
+    assert max(sum(step.values()) for step in chunked) <= LIMITS["max_num_batched_tokens"]
+
+
+def test_no_whole_prompts_without_sparse_prefill_or_with_static_shapes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(model_shard, "attention_backend", lambda device, sparse: CudaAttentionBackend(None))
+    assert engine().scheduler.config.whole_prompt_tokens is None
+    monkeypatch.setattr(
+        model_shard, "attention_backend", lambda device, sparse: CudaAttentionBackend(EXACT_SPARSE)
+    )
+    assert engine(static_shapes=True).scheduler.config.whole_prompt_tokens is None
+    assert (
+        engine(max_model_len=WHOLE - 1).scheduler.config.whole_prompt_tokens is None
+    )  # no prompt reaches it
+    assert engine().scheduler.config.whole_prompt_tokens == WHOLE
