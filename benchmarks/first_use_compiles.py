@@ -2,7 +2,9 @@
 
 Runs Llama-3-8B's shape on dummy weights (as `engine_cuda.py`): engine start (profiling pass,
 decode graphs, warm-up requests), then (a) one 512-token prompt with 256 new tokens and (b) 256
-such prompts with 128, each twice. Every in-process Triton compile is logged with its phase; the
+such prompts with 128, each twice; with --long-prompt N, then (c) one N-token prompt twice, at the
+model's own length limit (so that long prompts are prefilled whole and sparse, and the profiling
+pass runs a whole prompt of the model's length). Every in-process Triton compile is logged with its phase; the
 ones after start are what a client's request would wait for. Run with an empty Triton cache to see
 a fresh container:
 
@@ -60,7 +62,13 @@ def main() -> None:
     parser.add_argument(
         "--no-warm-up", action="store_true", help="start the engine without its warm-up requests"
     )
+    parser.add_argument("--long-prompt", type=int, default=0, help="also two prompts of this many tokens")
     args = parser.parse_args()
+    phases = PHASES + (
+        [("c", 1, args.long_prompt, 2, 10), ("c again", 1, args.long_prompt, 2, 11)]
+        if args.long_prompt
+        else []
+    )
     log = CompileLog()
     triton.knobs.runtime.jit_cache_hook = log
     with tempfile.TemporaryDirectory() as tmp:
@@ -68,10 +76,10 @@ def main() -> None:
         start = time.perf_counter()
         engine = LLMEngine(
             EngineArgs(model=str(model_dir), load_format="dummy", max_num_seqs=256, max_num_batched_tokens=16384,
-                       max_model_len=8192, warm_up=False if args.no_warm_up else None)
+                       max_model_len=None if args.long_prompt else 8192, warm_up=False if args.no_warm_up else None)
         )  # fmt: skip
         print(f"start-up {time.perf_counter() - start:.2f} s", flush=True)
-        for name, count, length, new, seed in PHASES:
+        for name, count, length, new, seed in phases:
             log.phase = name
             result = bench.run_engine(engine, bench.prompts(count, length, engine.vocab_size, seed=seed), new)
             print(
