@@ -8,6 +8,8 @@ dense keeps the attention exact: the tokens must be those of the plain CPU engin
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from tgserve.kernels import dispatch
@@ -15,6 +17,7 @@ from tgserve.kernels.sparse.config import HeadPattern, SparseConfig
 from tgserve.server import model_shard
 from tgserve.server.attention.cuda import CudaAttentionBackend
 from tgserve.server.engine import EngineArgs, LLMEngine
+from tgserve.server.memory import GIB, MemoryProfile
 from tgserve.server.sampling_params import SamplingParams
 from tgserve.server.testing.fixtures import fixture_path
 
@@ -95,3 +98,27 @@ def test_no_whole_prompts_without_sparse_prefill_or_with_static_shapes(
         engine(max_model_len=WHOLE - 1).scheduler.config.whole_prompt_tokens is None
     )  # no prompt reaches it
     assert engine().scheduler.config.whole_prompt_tokens == WHOLE
+
+
+def test_the_pool_is_sized_for_a_whole_prompt_or_long_prompts_are_chunked(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On a GPU the KV budget is the smaller of the token budget's step and a whole prompt of the
+    model's length; where the whole prompt would leave less than one such request's KV, long
+    prompts are chunked instead, and the log names the way out. The choice, on given profiles."""
+    use_cuda_backend(monkeypatch)
+    shard = engine().shard
+    one_request = shard.max_model_len * sum(spec.bytes_per_token() for spec in shard.specs)
+
+    def profile(kv_budget: int) -> MemoryProfile:
+        return MemoryProfile(100 * GIB, GIB, GIB, 0, kv_budget)
+
+    budget_step = shard.memory_profile = profile(50 * one_request)
+    shard._profile_whole_prompt(profile(20 * one_request))
+    assert shard.whole_prompt_tokens == WHOLE and shard.memory_profile.kv_budget_bytes == 20 * one_request
+    shard.memory_profile = budget_step
+    with caplog.at_level(logging.WARNING):
+        shard._profile_whole_prompt(profile(one_request - 1))
+    assert shard.whole_prompt_tokens is None and shard.memory_profile is budget_step
+    assert f"prompts of {WHOLE} tokens or more are prefilled in chunks" in caplog.text
+    assert "--max-total-tokens" in caplog.text and "--gpu-memory-utilization" in caplog.text
