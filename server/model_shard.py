@@ -90,9 +90,20 @@ class ModelShard:
     def _whole_prompt_tokens(self) -> int | None:
         """From what length prompts are prefilled whole, in a step of their own (the scheduler's
         `whole_prompt_tokens`): the backend's (the sparse threshold on CUDA) where the model's
-        length reaches it. Static shapes bucket every step under the token budget: none there."""
+        length reaches it. Static shapes bucket every step under the token budget: none there. On
+        a GPU whose KV pool size is given rather than profiled, nothing measures what such a step
+        needs beside the pool, so long prompts are chunked there too, and the log says so."""
         whole = self.runner.backend.whole_prompt_tokens
         if whole is None or whole > self.max_model_len or self.buckets is not None:
+            return None
+        if self.device.type == "cuda" and not self._profiles_gpu_memory():
+            logger.warning(
+                "prompts of %d tokens or more are prefilled in chunks, with dense attention: the KV cache's "
+                "size is given (--max-batch-total-tokens), so the memory a whole prompt's step needs beside it "
+                "is not measured; without it the cache is sized by profiling such a step, and they are "
+                "prefilled whole, with sparse attention",
+                whole,
+            )
             return None
         return whole
 

@@ -9,8 +9,10 @@ dense keeps the attention exact: the tokens must be those of the plain CPU engin
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from tgserve.kernels import dispatch
 from tgserve.kernels.sparse.config import HeadPattern, SparseConfig
@@ -122,3 +124,25 @@ def test_the_pool_is_sized_for_a_whole_prompt_or_long_prompts_are_chunked(
     assert shard.whole_prompt_tokens is None and shard.memory_profile is budget_step
     assert f"prompts of {WHOLE} tokens or more are prefilled in chunks" in caplog.text
     assert "--max-total-tokens" in caplog.text and "--gpu-memory-utilization" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "pool,whole", [({}, WHOLE), ({"num_blocks": 4096}, None), ({"kv_cache_memory_bytes": 1 << 30}, None)]
+)
+def test_on_a_gpu_a_given_pool_size_keeps_long_prompts_chunked(
+    pool: dict, whole: int | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A pool sized by profiling measures a whole prompt's step beside it; a given size does not,
+    and a whole 128K-token step could then run out of memory mid-serving: chunks instead, said so.
+    The decision alone, for a CUDA device (no GPU needed to make it)."""
+    shard = SimpleNamespace(
+        runner=SimpleNamespace(backend=CudaAttentionBackend(EXACT_SPARSE)),
+        max_model_len=256,
+        buckets=None,
+        device=torch.device("cuda"),
+        args=EngineArgs(**pool),
+    )
+    shard._profiles_gpu_memory = lambda: model_shard.ModelShard._profiles_gpu_memory(shard)
+    with caplog.at_level(logging.WARNING):
+        assert model_shard.ModelShard._whole_prompt_tokens(shard) == whole
+    assert ("--max-batch-total-tokens" in caplog.text) == (whole is None)
