@@ -146,7 +146,7 @@ class ModelShard:
             budget_step, args.max_num_batched_tokens, args.gpu_memory_utilization
         )
         if self.whole_prompt_tokens is not None:
-            self._profile_whole_prompt(profile_step(forward, self.max_model_len, 1, **on_this_gpu))
+            self._profile_whole_prompt(self._whole_prompt_step(forward, on_this_gpu))
         self.runner.kv_caches = []
         logger.info(self.memory_profile.describe())
         return max(
@@ -154,22 +154,38 @@ class ModelShard:
             num_blocks_for_memory(self.specs, args.block_size, self.memory_profile.kv_budget_bytes) - scratch,
         )
 
-    def _profile_whole_prompt(self, longest: MemoryProfile) -> None:
+    def _whole_prompt_step(self, forward, on_this_gpu: dict) -> MemoryProfile | None:
+        """The profile of a whole prompt of the model's length, or None where it does not fit on the
+        GPU at all (a model of a million tokens' context)."""
+        try:
+            return profile_step(forward, self.max_model_len, 1, **on_this_gpu)
+        except torch.cuda.OutOfMemoryError:
+            pass  # the step's tensors are released with the exception, at the end of this clause
+        torch.cuda.empty_cache()
+        return None
+
+    def _profile_whole_prompt(self, longest: MemoryProfile | None) -> None:
         """Keep the smaller KV budget of the two largest steps: the token budget's, and a whole prompt
         of the model's length (`longest`). Where that prompt's step leaves less than one request of
-        that length needs, long prompts are chunked instead (dense attention), and the log says so."""
+        that length needs, or did not fit at all, long prompts are chunked instead (dense
+        attention), and the log says so."""
         one_request = self.max_model_len * sum(spec.bytes_per_token() for spec in self.specs)
-        if longest.kv_budget_bytes >= one_request:
+        if longest is not None and longest.kv_budget_bytes >= one_request:
             self.memory_profile = min(self.memory_profile, longest, key=lambda p: p.kv_budget_bytes)
             return
+        step = f"a whole {self.max_model_len}-token prompt's step"
+        if longest is None:
+            why = f"{step} does not fit in GPU memory"
+        else:
+            why = (
+                f"{step} leaves {max(longest.kv_budget_bytes, 0) / GIB:.2f} GiB for the KV cache, less than the "
+                f"{one_request / GIB:.2f} GiB one such request needs"
+            )
         logger.warning(
-            "prompts of %d tokens or more are prefilled in chunks, with dense attention: a whole %d-token "
-            "prompt's step leaves %.2f GiB for the KV cache, less than the %.2f GiB one such request needs "
-            "(lower --max-total-tokens or raise --gpu-memory-utilization to prefill them whole, sparse)",
+            "prompts of %d tokens or more are prefilled in chunks, with dense attention: %s (lower "
+            "--max-total-tokens or raise --gpu-memory-utilization to prefill them whole, sparse)",
             self.whole_prompt_tokens,
-            self.max_model_len,
-            max(longest.kv_budget_bytes, 0) / GIB,
-            one_request / GIB,
+            why,
         )
         self.whole_prompt_tokens = None
 

@@ -123,7 +123,27 @@ def test_the_pool_is_sized_for_a_whole_prompt_or_long_prompts_are_chunked(
         shard._profile_whole_prompt(profile(one_request - 1))
     assert shard.whole_prompt_tokens is None and shard.memory_profile is budget_step
     assert f"prompts of {WHOLE} tokens or more are prefilled in chunks" in caplog.text
-    assert "--max-total-tokens" in caplog.text and "--gpu-memory-utilization" in caplog.text
+    assert "less than the" in caplog.text and "--max-total-tokens" in caplog.text
+    assert "--gpu-memory-utilization" in caplog.text
+
+
+def test_a_whole_prompt_step_that_runs_out_of_memory_keeps_long_prompts_chunked(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A model of a million tokens' context: its whole-prompt profiling step does not fit at all.
+    The engine still starts, with long prompts chunked, rather than failing on the profile."""
+    use_cuda_backend(monkeypatch)
+    shard = engine().shard
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 60.00 GiB")
+
+    monkeypatch.setattr(model_shard, "profile_step", out_of_memory)
+    assert shard._whole_prompt_step(shard.runner.forward, {}) is None
+    with caplog.at_level(logging.WARNING):
+        shard._profile_whole_prompt(None)
+    assert shard.whole_prompt_tokens is None
+    assert f"a whole {shard.max_model_len}-token prompt's step does not fit in GPU memory" in caplog.text
 
 
 @pytest.mark.parametrize(
