@@ -68,7 +68,7 @@ def use_cuda_backend(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return sparse_lengths
 
 
-def test_a_long_prompt_runs_whole_and_sparse_beside_running_requests(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_long_prompt_runs_whole_and_sparse_while_others_run(monkeypatch: pytest.MonkeyPatch) -> None:
     prompts = {"short": list(range(5, 25)), "long": list(range(30, 130)), "medium": list(range(200, 240))}
     expected, chunked = serve(engine(), prompts)
     sparse_lengths = use_cuda_backend(monkeypatch)
