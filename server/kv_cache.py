@@ -93,10 +93,14 @@ def kv_cache_specs(config: Any, dtype: torch.dtype, tensor_parallel_size: int = 
     return [KVCacheSpec(local, dim, dtype, window) for window in layer_sliding_windows(config)]
 
 
+def kv_bytes_per_token(specs: list[KVCacheSpec]) -> int:
+    """The keys and values one token holds across all layers."""
+    return sum(spec.bytes_per_token() for spec in specs)
+
+
 def num_blocks_for_memory(specs: list[KVCacheSpec], block_size: int, memory_bytes: int) -> int:
     """How many blocks fit in `memory_bytes` across all layers."""
-    bytes_per_block = block_size * sum(spec.bytes_per_token() for spec in specs)
-    return max(1, memory_bytes // bytes_per_block)
+    return max(1, memory_bytes // (block_size * kv_bytes_per_token(specs)))
 
 
 def allocate_kv_caches(

@@ -17,7 +17,12 @@ from tgserve.kernels.sparse.config import SparseConfig, load_sparse_config
 from tgserve.server.attention.backend import attention_backend
 from tgserve.server.cuda_graphs import DecodeGraphs
 from tgserve.server.distributed import TensorParallel
-from tgserve.server.kv_cache import allocate_kv_caches, kv_cache_specs, num_blocks_for_memory
+from tgserve.server.kv_cache import (
+    allocate_kv_caches,
+    kv_bytes_per_token,
+    kv_cache_specs,
+    num_blocks_for_memory,
+)
 from tgserve.server.loader import ModelSource
 from tgserve.server.memory import (
     GIB,
@@ -169,7 +174,7 @@ class ModelShard:
         of the model's length (`longest`). Where that prompt's step leaves less than one request of
         that length needs, or did not fit at all, long prompts are chunked instead (dense
         attention), and the log says so."""
-        one_request = self.max_model_len * sum(spec.bytes_per_token() for spec in self.specs)
+        one_request = self.max_model_len * kv_bytes_per_token(self.specs)
         if longest is not None and longest.kv_budget_bytes >= one_request:
             self.memory_profile = min(self.memory_profile, longest, key=lambda p: p.kv_budget_bytes)
             return
