@@ -143,15 +143,12 @@ class ModelShard:
             memory = args.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
             return max(1, num_blocks_for_memory(self.specs, args.block_size, memory) - scratch)
         self.runner.kv_caches = allocate_kv_caches(self.specs, 1, args.block_size, self.device)
-        on_this_gpu = dict(block_size=args.block_size, utilization=args.gpu_memory_utilization, device=self.device,
-                           start=self.device_at_start)  # fmt: skip
-        forward = self.runner.forward
-        budget_step = profile_step(forward, args.max_num_batched_tokens, args.max_num_seqs, **on_this_gpu)
+        budget_step = self._profile_step(args.max_num_batched_tokens, args.max_num_seqs)
         self.memory_profile = check_kv_budget(
             budget_step, args.max_num_batched_tokens, args.gpu_memory_utilization
         )
         if self.whole_prompt_tokens is not None:
-            self._profile_whole_prompt(self._whole_prompt_step(forward, on_this_gpu))
+            self._profile_whole_prompt(self._whole_prompt_step())
         self.runner.kv_caches = []
         logger.info(self.memory_profile.describe())
         return max(
@@ -159,11 +156,17 @@ class ModelShard:
             num_blocks_for_memory(self.specs, args.block_size, self.memory_profile.kv_budget_bytes) - scratch,
         )
 
-    def _whole_prompt_step(self, forward, on_this_gpu: dict) -> MemoryProfile | None:
+    def _profile_step(self, num_tokens: int, num_seqs: int) -> MemoryProfile:
+        """A prefill step of `num_tokens` over `num_seqs` sequences run on this GPU and measured."""
+        args = self.args
+        return profile_step(self.runner.forward, num_tokens, num_seqs, args.block_size,
+                            args.gpu_memory_utilization, self.device, self.device_at_start)  # fmt: skip
+
+    def _whole_prompt_step(self) -> MemoryProfile | None:
         """The profile of a whole prompt of the model's length, or None where it does not fit on the
         GPU at all (a model of a million tokens' context)."""
         try:
-            return profile_step(forward, self.max_model_len, 1, **on_this_gpu)
+            return self._profile_step(self.max_model_len, 1)
         except torch.cuda.OutOfMemoryError:
             pass  # the step's tensors are released with the exception, at the end of this clause
         torch.cuda.empty_cache()

@@ -139,7 +139,7 @@ def test_a_whole_prompt_step_that_runs_out_of_memory_keeps_long_prompts_chunked(
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 60.00 GiB")
 
     monkeypatch.setattr(model_shard, "profile_step", out_of_memory)
-    assert shard._whole_prompt_step(shard.runner.forward, {}) is None
+    assert shard._whole_prompt_step() is None
     with caplog.at_level(logging.WARNING):
         shard._profile_whole_prompt(None)
     assert shard.whole_prompt_tokens is None
