@@ -69,7 +69,8 @@ def step_shape(shapes: StaticShapes, inputs: StepInputs) -> StepShape:
     )
 
 
-def _pad(tensor: torch.Tensor, length: int, value: int) -> torch.Tensor:
+def pad_rows(tensor: torch.Tensor, length: int, value: int) -> torch.Tensor:
+    """`tensor` with rows of `value` appended up to `length` rows."""
     extra = length - tensor.shape[0]
     return torch.cat([tensor, tensor.new_full((extra, *tensor.shape[1:]), value)]) if extra else tensor
 
@@ -92,7 +93,7 @@ def pad_metadata(meta: AttentionMetadata, shape: StepShape) -> AttentionMetadata
         query_start_loc=to_device(starts, meta.query_start_loc.dtype, device),
         seq_lens=to_device(lens, meta.seq_lens.dtype, device),
         block_tables=tables,
-        slot_mapping=_pad(meta.slot_mapping, shape.num_tokens, -1),
+        slot_mapping=pad_rows(meta.slot_mapping, shape.num_tokens, -1),
         query_start_loc_cpu=starts,
         seq_lens_cpu=lens,
         backend_cache={},
@@ -103,9 +104,9 @@ def pad_step(inputs: StepInputs, shape: StepShape) -> StepInputs:
     """The step's inputs padded to `shape`; the real rows keep their places."""
     return replace(
         inputs,
-        input_ids=_pad(inputs.input_ids, shape.num_tokens, 0),
-        positions=_pad(inputs.positions, shape.num_tokens, 0),
-        logits_indices=_pad(inputs.logits_indices, shape.num_logits, 0),
+        input_ids=pad_rows(inputs.input_ids, shape.num_tokens, 0),
+        positions=pad_rows(inputs.positions, shape.num_tokens, 0),
+        logits_indices=pad_rows(inputs.logits_indices, shape.num_logits, 0),
         metadata=pad_metadata(inputs.metadata, shape),
     )
 

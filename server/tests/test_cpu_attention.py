@@ -15,7 +15,7 @@ from tgserve.server.attention.cpu import CpuAttentionBackend
 from tgserve.server.attention.metadata import AttentionMetadata
 from tgserve.server.kv_cache import KVCacheSpec
 from tgserve.server.static_shapes.buckets import BucketConfig, StaticShapes
-from tgserve.server.static_shapes.padding import pad_metadata
+from tgserve.server.static_shapes.padding import pad_metadata, pad_rows
 
 
 def dense_reference(q, k, v, scale, window, softcap):
@@ -88,18 +88,14 @@ def run_backend(contexts, q_lens, num_heads, num_kv, dim, block_size, window, so
     if static is not None:
         shape = static.shape_for(len(query), len(contexts), width, kept, meta.is_fresh)
         meta = pad_metadata(meta, shape)
-        query, key, value = (pad_rows(t, shape.num_tokens) for t in (query, key, value))
-        rows = pad_rows(rows, shape.num_logits)  # padding logit rows repeat row 0
+        query, key, value = (pad_rows(t, shape.num_tokens, 0) for t in (query, key, value))
+        rows = pad_rows(rows, shape.num_logits, 0)  # padding logit rows repeat row 0
     out = backend.forward_rows(query, key, value, cache, meta, layer, rows)[:kept]
     # Every row's keys and values were stored: the cache now answers a full step's queries too.
     for (_q, k, v), table, n in zip(full, tables, contexts):
         slots = torch.tensor([slot(table, p) for p in range(n)], dtype=torch.long)
         assert torch.equal(cache[0].flatten(0, 1)[slots], k) and torch.equal(cache[1].flatten(0, 1)[slots], v)
     return out, expected[rows[:kept]]
-
-
-def pad_rows(t: torch.Tensor, length: int) -> torch.Tensor:
-    return torch.cat([t, t.new_zeros(length - len(t), *t.shape[1:])])
 
 
 @pytest.mark.parametrize("num_heads,num_kv", [(4, 4), (8, 2), (8, 1)])
