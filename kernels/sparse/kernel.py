@@ -44,6 +44,10 @@ WALK_FALLBACKS = (
     {"qblocks": 1, "key_blocks": 1, "num_warps": 4, "num_stages": 1},
 )
 FALLBACKS = ({"num_warps": 4, "num_stages": 1, "column_blocks": 1},)
+# Triton compiles an integer argument divisible by 16 into its own kernel: a prompt's length and
+# block count would give a long prompt of a new kind (131,072 tokens against 130,944) its own
+# compile on first use. These are not specialised: every length shares one kernel.
+LENGTH_ARGS = ("n", "num_qb")
 USE_DESCRIPTORS = True  # mask-free K/V loads through tensor descriptors where the layout allows
 # Pass 2 tests up to this many column chunks for the mask-free step before its loop, as bits of one
 # int32 (H200, 128K replays: pass 2 9.43 ms a layer against 9.85 testing each chunk in the loop).
@@ -100,7 +104,7 @@ def _query_tile(
     return rows, dims, q
 
 
-@triton.jit
+@triton.jit(do_not_specialize=LENGTH_ARGS)
 def _walk_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, max_ptr, sum_ptr, k_desc, v_desc, run_first_ptr, run_last_ptr, run_cnt_ptr,
     sm_scale, n, num_qb, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
@@ -166,7 +170,7 @@ def _walk_kernel(
     tl.store(sum_ptr + head * stride_st + rows, l_i, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=(*LENGTH_ARGS, "max_b", "max_c"))
 def _scattered_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, max_ptr, sum_ptr, kc_ptr, vc_ptr, kc_desc, vc_desc, k_desc, v_desc,
     cover_ptr, cover_cum_ptr, blocks_ptr, block_cnt_ptr, cols_ptr, col_cnt_ptr,

@@ -31,7 +31,7 @@ BITS = 16  # listed blocks travel as a bitmap of BITS-bit words per query block
 LAUNCH = {"block_r": 128, "num_warps": 4, "num_stages": 2, "key_blocks": 2}
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "num_qb", "num_tiles", "num_rows", "words"])
 def _rescue_kernel(
     qm_ptr, k_ptr, head_ptr, skip_ptr, cover_ptr, bits_ptr, val_ptr, idx_ptr,
     n, num_qb, num_tiles, num_rows, group, head_dim, stride_kt, stride_kh, words,
