@@ -245,13 +245,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, in_place: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual), x + residual)."""
+    """(rms_norm(x + residual), x + residual). in_place: the caller no longer needs x and residual,
+    and the Triton kernel writes its outputs over them (a long prompt's step then holds two fewer
+    [tokens, hidden] tensors); the twin's eager ops allocate their own either way."""
     if use_triton(x):
         from tgserve.kernels.fused import fused_add_rms_norm as triton_fused_add_rms_norm
 
-        return triton_fused_add_rms_norm(x, residual, weight, eps)
+        return triton_fused_add_rms_norm(x, residual, weight, eps, in_place)
     return reference.fused_add_rms_norm(x, residual, weight, eps)
 
 

@@ -121,15 +121,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, in_place: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual), x + residual) in one pass; both outputs new and contiguous."""
+    """(rms_norm(x + residual), x + residual) in one pass, contiguous.
+
+    in_place: the outputs are written over x and residual where their dtypes and contiguous layout
+    allow (each program reads its whole row before it writes), else they are new as without it.
+    """
     assert x.shape == residual.shape
     res_dtype = torch.promote_types(x.dtype, residual.dtype)
-    res_out = torch.empty(x.shape, dtype=res_dtype, device=x.device)
-    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, res_dtype), device=x.device)
+    out_dtype = torch.promote_types(weight.dtype, res_dtype)
+    if in_place and _can_overwrite(x, residual, out_dtype):
+        out, res_out = x, residual
+    else:
+        res_out = torch.empty(x.shape, dtype=res_dtype, device=x.device)
+        out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     _launch_rms_norm(x, residual, weight, eps, out, res_out)
     return out, res_out
+
+
+def _can_overwrite(x: torch.Tensor, residual: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """Whether the norm's outputs fit over its inputs: one dtype throughout, both contiguous (the
+    kernel writes rows at the contiguous layout's offsets), and not one tensor twice."""
+    same_dtype = x.dtype == residual.dtype == out_dtype
+    contiguous = x.is_contiguous() and residual.is_contiguous()
+    return same_dtype and contiguous and x.data_ptr() != residual.data_ptr()
 
 
 # ---- rotary (rotate-half / GPT-NeoX layout) ----

@@ -104,6 +104,36 @@ def test_fused_add_rms_norm(device, dtype, tokens, hidden):
     assert all(torch.equal(a, b) for a, b in zip(inputs, before)), "inputs must stay untouched"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_rms_norm_in_place(device, dtype):
+    """in_place writes the two outputs over x and residual, with the values the copy would have."""
+    x = _randn(17, 576, dtype=dtype, seed=23)
+    residual = _randn(17, 576, dtype=dtype, seed=24, scale=4.0)
+    weight = _randn(576, dtype=dtype, seed=25)
+    want_normed, want_residual = reference.fused_add_rms_norm(x, residual, weight, 1e-6)
+    x_dev, residual_dev, weight_dev = _on(device, x, residual, weight)
+    normed, new_residual = _fused().fused_add_rms_norm(x_dev, residual_dev, weight_dev, 1e-6, in_place=True)
+    assert normed.data_ptr() == x_dev.data_ptr() and new_residual.data_ptr() == residual_dev.data_ptr()
+    torch.testing.assert_close(new_residual.cpu(), want_residual, **EXACT)
+    torch.testing.assert_close(normed.cpu(), want_normed, **TOL[dtype])
+
+
+def test_fused_add_rms_norm_in_place_falls_back_where_outputs_do_not_fit(device):
+    """A strided x, or a weight that promotes the output's dtype, gets new outputs; the inputs stay."""
+    wide = _randn(5, 128, dtype=torch.float16, seed=26)
+    residual = _randn(5, 64, dtype=torch.float16, seed=27)
+    for x, weight in ((wide[:, :64], _randn(64, dtype=torch.float16, seed=28)),
+                      (wide[:, 64:].contiguous(), _randn(64, dtype=torch.float32, seed=29))):  # fmt: skip
+        inputs = _on(device, x, residual, weight)
+        before = [t.clone() for t in inputs]
+        normed, new_residual = _fused().fused_add_rms_norm(*inputs, 1e-6, in_place=True)
+        assert normed.data_ptr() != inputs[0].data_ptr() and new_residual.data_ptr() != inputs[1].data_ptr()
+        assert all(torch.equal(a, b) for a, b in zip(inputs, before)), "inputs must stay untouched"
+        want_normed, want_residual = reference.fused_add_rms_norm(x, residual, weight, 1e-6)
+        torch.testing.assert_close(new_residual.cpu(), want_residual, **EXACT)
+        torch.testing.assert_close(normed.cpu(), want_normed, **TOL[torch.float16])
+
+
 # ---- rotary ----
 
 

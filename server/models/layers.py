@@ -15,7 +15,8 @@ class RMSNorm(nn.Module):
     """Root-mean-square norm computed in float32, as the HF implementations do.
 
     Given a residual, the residual stream's add comes first and the call returns
-    (norm(x + residual), x + residual): on CUDA the add and the norm are then one kernel.
+    (norm(x + residual), x + residual): on CUDA the add and the norm are then one kernel, which
+    writes the two over x and residual. The caller passes tensors it no longer needs.
     """
 
     def __init__(self, dim: int, eps: float) -> None:
@@ -28,7 +29,7 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             return dispatch.rms_norm(x, self.weight, self.eps)
-        return dispatch.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        return dispatch.fused_add_rms_norm(x, residual, self.weight, self.eps, in_place=True)
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
