@@ -313,6 +313,8 @@ def main() -> None:
     parser.add_argument("--section", choices=["baseline", "engine", "long"], help=argparse.SUPPRESS)
     parser.add_argument("--only", choices=["baseline", "engine", "long"], help="run one section")
     args = parser.parse_args()
+    if args.profile_dir:  # before the sections run, not after: a missing folder would lose their profiles
+        args.profile_dir.mkdir(parents=True, exist_ok=True)
     if args.section:  # one section in this process, its numbers as JSON on the last line
         with tempfile.TemporaryDirectory() as tmp:
             model_dir = write_model_dir(Path(tmp), args.layers)
