@@ -29,6 +29,7 @@ TILES_PER_PROGRAM = 16
 LAUNCH = {"num_warps": 4, "num_stages": 3}  # kernels/bench/profile_sparse.py sweeps
 
 
+# Lengths and counts unspecialised, as kernel.LENGTH_ARGS: every prompt length shares one compile.
 @triton.jit(do_not_specialize=["n", "num_tiles", "num_splits", "first_diag"])
 def _last_q_kernel(
     q_ptr, k_ptr, head_ptr, m_ptr, l_ptr, lse_ptr, vert_ptr, bins_ptr,

@@ -31,6 +31,7 @@ BITS = 16  # listed blocks travel as a bitmap of BITS-bit words per query block
 LAUNCH = {"block_r": 128, "num_warps": 4, "num_stages": 2, "key_blocks": 2}
 
 
+# Lengths and counts unspecialised, as kernel.LENGTH_ARGS: every prompt length shares one compile.
 @triton.jit(do_not_specialize=["n", "num_qb", "num_tiles", "num_rows", "words"])
 def _rescue_kernel(
     qm_ptr, k_ptr, head_ptr, skip_ptr, cover_ptr, bits_ptr, val_ptr, idx_ptr,
