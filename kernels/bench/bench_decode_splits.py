@@ -1,0 +1,122 @@
+"""Decode attention against its context-split count, as the engine runs it (CUDA graphs).
+
+    python kernels/bench/bench_decode_splits.py --batch 4 8 16 --context 1000 7000 --splits 3 4 5 8 16
+
+For each batch size and context length: one CUDA graph of 32 launches (one per layer, each over a
+cache of its own, so nothing stays in L2 between them), replayed 20 times; prints the median us a
+launch for the automatic split count (`paged_decode.choose_splits` at --bound, the context bound
+the engine's decode graphs are captured with) and for each forced count. 32 query / 8 KV heads of
+128, bf16, 16-token pages. Every row's output is checked against the torch twin.
+
+Each launch stores the step's key and value first, as the engine's does. Without that store the
+kernel is another compile, and the split counts fastest for it made the engine's decode step up to
+15% slower at batches 2-16 (docs/benchmarks/2026-11-30-pool-at-defaults-and-decode-probes-h200.md).
+Confirm a new choice in the engine itself before keeping it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from tgserve.kernels import reference
+from tgserve.kernels.paged_decode import choose_splits, paged_decode
+
+HEADS, KV_HEADS, DIM, PAGE, LAYERS = 32, 8, 128, 16, 32
+CACHES = 4  # distinct caches the layers cycle through: together well past the 50 MB L2
+
+
+class DecodeStep:
+    """A decode step's inputs for `batch` sequences of `context` tokens, pages scattered at random."""
+
+    def __init__(self, batch: int, context: int, bound: int) -> None:
+        pages = batch * -(-max(bound, context) // PAGE)
+        self.caches = [
+            torch.randn(2, pages, PAGE, KV_HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+            for _ in range(CACHES)
+        ]
+        self.block_tables = torch.randperm(pages, device="cuda").to(torch.int32).view(batch, -1)
+        self.seq_lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+        self.queries = [
+            torch.randn(batch, HEADS, DIM, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)
+        ]
+        self.outs = [torch.empty_like(q) for q in self.queries]
+        # As in the engine, the kernel stores the step's key and value (at the last position) first.
+        last = context - 1
+        slots = self.block_tables[:, last // PAGE].long() * PAGE + last % PAGE
+        new_kv = [torch.randn(batch, KV_HEADS, DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+        self.step_kv = (new_kv[0], new_kv[1], slots)
+        self.bound = bound
+
+    def run(self, splits: int | None) -> None:
+        for layer in range(LAYERS):
+            paged_decode(
+                self.queries[layer], self.caches[layer % CACHES], self.block_tables, self.seq_lens, DIM**-0.5,
+                out=self.outs[layer], step_kv=self.step_kv, max_seq_len=self.bound, num_splits=splits,
+            )  # fmt: skip
+
+    def error(self) -> float:
+        """Largest difference of the last layer's output from the torch twin's."""
+        layer = LAYERS - 1
+        starts = torch.arange(len(self.seq_lens) + 1, device="cuda", dtype=torch.int32)
+        expected = reference.paged_attention(
+            self.queries[layer],
+            self.caches[layer % CACHES],
+            self.block_tables,
+            starts,
+            self.seq_lens,
+            DIM**-0.5,
+        )
+        return (expected.float() - self.outs[layer].float()).abs().max().item()
+
+
+def graph_us(step: DecodeStep, splits: int | None, replays: int = 20) -> float:
+    """Median us a launch over graph replays (captured on a side stream that waits for the inputs)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step.run(splits)  # compiles outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            step.run(splits)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / LAYERS)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--context", type=int, nargs="+", default=[768, 8192])
+    parser.add_argument("--splits", type=int, nargs="+", default=[12, 16, 32, 64])
+    parser.add_argument("--bound", type=int, default=8192, help="context bound of the decode graphs")
+    args = parser.parse_args()
+    print("batch | context | " + " | ".join(["auto"] + [str(s) for s in args.splits]) + " | max error")
+    for batch in args.batch:
+        for context in args.context:
+            step = DecodeStep(batch, context, args.bound)
+            auto = choose_splits(batch, KV_HEADS, args.bound, 64)
+            cells = [f"{graph_us(step, None):.2f} ({auto})"]
+            errors = [step.error()]
+            for splits in args.splits:
+                cells.append(f"{graph_us(step, splits):.2f}")
+                errors.append(step.error())
+            print(f"{batch} | {context} | " + " | ".join(cells) + f" | {max(errors):.1e}", flush=True)
+            del step
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
