@@ -19,6 +19,11 @@ import torch
 from tgserve.server.engine import LLMEngine
 from tgserve.server.sampling_params import SamplingParams
 
+# How far below transformers' largest bf16 logit the engine's token may lie where they part, in the
+# logits' rounding steps (0.125 at 16-32): transformers' own decode loop and whole-sequence forward
+# part by up to 4; a wrong kernel parts by whole logit units, tens of steps.
+GAP_LIMIT_ULPS = 8
+
 TOPICS = [
     "the ocean",
     "photosynthesis",

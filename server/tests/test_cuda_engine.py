@@ -15,6 +15,7 @@ import torch
 
 from tgserve.server.engine import EngineArgs, LLMEngine
 from tgserve.server.testing.agreement import (
+    GAP_LIMIT_ULPS,
     chat_prompts,
     count_agreeing,
     decode_loop_picks,
@@ -37,9 +38,6 @@ PROMPT_LENGTHS = [40, 12, 70, 25, 9, 50, 33, 30]
 # paged-cache adapter) copies from the host, Mixtral's expert routing has data-dependent shapes.
 # The engine runs them eagerly; asking for graphs must not change their tokens.
 NOT_CAPTURABLE = {"falcon", "mixtral"}
-# How far below transformers' largest bf16 logit the engine's token may lie, in the logits' rounding
-# steps (0.125 at 16-32): transformers' own decode loop and whole-sequence forward part by up to 4.
-GAP_LIMIT_ULPS = 8
 TIGHT = dict(max_num_batched_tokens=32, block_size=8, num_blocks=24, max_num_seqs=16, device="cuda")
 
 
