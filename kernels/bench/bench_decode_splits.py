@@ -2,8 +2,8 @@
 
     python kernels/bench/bench_decode_splits.py --batch 4 8 16 --context 1000 7000 --splits 3 4 5 8 16
 
-For each batch size and context length: one CUDA graph of 32 launches (one per layer, each over a
-cache of its own, so nothing stays in L2 between them), replayed 20 times; prints the median us a
+For each batch size and context length: one CUDA graph of 32 launches (one per layer, cycling over
+CACHES caches), replayed 20 times; prints the median us a
 launch for the automatic split count (`paged_decode.choose_splits` at --bound, the context bound
 the engine's decode graphs are captured with) and for each forced count. 32 query / 8 KV heads of
 128, bf16, 16-token pages. Every row's output is checked against the torch twin.
@@ -25,7 +25,10 @@ from tgserve.kernels import reference
 from tgserve.kernels.paged_decode import choose_splits, paged_decode
 
 HEADS, KV_HEADS, DIM, PAGE, LAYERS = 32, 8, 128, 16, 32
-CACHES = 4  # distinct caches the layers cycle through: together well past the 50 MB L2
+# Distinct caches the layers cycle through. Where four contexts' worth of keys and values fit in the
+# 50 MB L2 (batch x context under about 3,000 tokens), a launch may find its cache still there, as
+# the engine's never does (its weights pass through between layers): those rows run warm.
+CACHES = 4
 
 
 class DecodeStep:
