@@ -19,6 +19,7 @@ from tgserve.kernels.sparse.config import HeadPattern, SparseConfig
 from tgserve.server import model_shard
 from tgserve.server.attention.cuda import CudaAttentionBackend
 from tgserve.server.engine import EngineArgs, LLMEngine
+from tgserve.server.kv_cache import kv_bytes_per_token
 from tgserve.server.memory import GIB, MemoryProfile
 from tgserve.server.sampling_params import SamplingParams
 from tgserve.server.testing.fixtures import fixture_path
@@ -110,7 +111,7 @@ def test_the_pool_is_sized_for_a_whole_prompt_or_long_prompts_are_chunked(
     prompts are chunked instead, and the log names the way out. The choice, on given profiles."""
     use_cuda_backend(monkeypatch)
     shard = engine().shard
-    one_request = shard.max_model_len * sum(spec.bytes_per_token() for spec in shard.specs)
+    one_request = shard.max_model_len * kv_bytes_per_token(shard.specs)
 
     def profile(kv_budget: int) -> MemoryProfile:
         return MemoryProfile(100 * GIB, GIB, GIB, 0, kv_budget)
