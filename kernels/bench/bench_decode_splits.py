@@ -3,9 +3,9 @@
     python kernels/bench/bench_decode_splits.py --batch 4 8 16 --context 1000 7000 --splits 3 4 5 8 16
 
 For each batch size and context length: one CUDA graph of 32 launches (one per layer, cycling over
-CACHES caches), replayed 20 times; prints the median us a
-launch for the automatic split count (`paged_decode.choose_splits` at --bound, the context bound
-the engine's decode graphs are captured with) and for each forced count. 32 query / 8 KV heads of
+CACHES caches), timed over 20 replays by bench_gemv's `graph_us`; prints the mean us a launch for
+the automatic split count (`paged_decode.choose_splits` at --bound, the context bound the engine's
+decode graphs are captured with) and for each forced count. 32 query / 8 KV heads of
 128, bf16, 16-token pages. Every row's output is checked against the torch twin.
 
 Each launch stores the step's key and value first, as the engine's does. Without that store the
@@ -17,9 +17,10 @@ Confirm a new choice in the engine itself before keeping it.
 from __future__ import annotations
 
 import argparse
-import statistics
+from collections.abc import Callable
 
 import torch
+from bench_gemv import graph_us  # this script's folder is on sys.path when run as a script
 
 from tgserve.kernels import reference
 from tgserve.kernels.paged_decode import choose_splits, paged_decode
@@ -29,6 +30,7 @@ HEADS, KV_HEADS, DIM, PAGE, LAYERS = 32, 8, 128, 16, 32
 # 50 MB L2 (batch x context under about 3,000 tokens), a launch may find its cache still there, as
 # the engine's never does (its weights pass through between layers): those rows run warm.
 CACHES = 4
+REPLAYS = 20
 
 
 class DecodeStep:
@@ -53,12 +55,15 @@ class DecodeStep:
         self.step_kv = (new_kv[0], new_kv[1], slots)
         self.bound = bound
 
-    def run(self, splits: int | None) -> None:
-        for layer in range(LAYERS):
-            paged_decode(
-                self.queries[layer], self.caches[layer % CACHES], self.block_tables, self.seq_lens, DIM**-0.5,
-                out=self.outs[layer], step_kv=self.step_kv, max_seq_len=self.bound, num_splits=splits,
-            )  # fmt: skip
+    def launches(self, splits: int | None) -> list[Callable[[], object]]:
+        """One decode attention launch a layer, as the engine's graph holds them."""
+        return [lambda layer=layer: self._launch(layer, splits) for layer in range(LAYERS)]
+
+    def _launch(self, layer: int, splits: int | None) -> None:
+        paged_decode(
+            self.queries[layer], self.caches[layer % CACHES], self.block_tables, self.seq_lens, DIM**-0.5,
+            out=self.outs[layer], step_kv=self.step_kv, max_seq_len=self.bound, num_splits=splits,
+        )  # fmt: skip
 
     def error(self) -> float:
         """Largest difference of the last layer's output from the torch twin's."""
@@ -75,28 +80,6 @@ class DecodeStep:
         return (expected.float() - self.outs[layer].float()).abs().max().item()
 
 
-def graph_us(step: DecodeStep, splits: int | None, replays: int = 20) -> float:
-    """Median us a launch over graph replays (captured on a side stream that waits for the inputs)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step.run(splits)  # compiles outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            step.run(splits)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / LAYERS)
-    return statistics.median(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -111,10 +94,10 @@ def main() -> None:
         for context in args.context:
             step = DecodeStep(batch, context, args.bound)
             auto = choose_splits(batch, KV_HEADS, args.bound, 64)
-            cells = [f"{graph_us(step, None):.2f} ({auto})"]
+            cells = [f"{graph_us(step.launches(None), REPLAYS):.2f} ({auto})"]
             errors = [step.error()]
             for splits in args.splits:
-                cells.append(f"{graph_us(step, splits):.2f}")
+                cells.append(f"{graph_us(step.launches(splits), REPLAYS):.2f}")
                 errors.append(step.error())
             print(f"{batch} | {context} | " + " | ".join(cells) + f" | {max(errors):.1e}", flush=True)
             del step
