@@ -265,6 +265,7 @@ def split_counters(device: torch.device, slots: int) -> torch.Tensor:
 
 
 MAX_AUTO_SPLITS = 64
+GPU_BLOCK_N = 64  # keys a tile on a GPU; the interpreter takes 16 to stay fast
 
 
 def choose_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_n: int) -> int:
@@ -304,7 +305,7 @@ def paged_decode(
     if num_seqs == 0:
         return out
     assert query.stride(2) == 1 and kv_cache.stride(4) == 1 and out.stride(2) == 1
-    block_n = block_n or (16 if interpreting() else 64)
+    block_n = block_n or (16 if interpreting() else GPU_BLOCK_N)
     max_context = max_seq_len or block_tables.shape[1] * block_size
     splits = num_splits or choose_splits(num_seqs, num_kv_heads, max_context, block_n)
     block_d = triton.next_power_of_2(head_dim)

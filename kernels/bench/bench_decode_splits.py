@@ -23,7 +23,8 @@ import torch
 from bench_gemv import graph_us  # this script's folder is on sys.path when run as a script
 
 from tgserve.kernels import reference
-from tgserve.kernels.paged_decode import choose_splits, paged_decode
+from tgserve.kernels.paged_decode import GPU_BLOCK_N, choose_splits, paged_decode
+from tgserve.kernels.testing import max_abs_err
 
 HEADS, KV_HEADS, DIM, PAGE, LAYERS = 32, 8, 128, 16, 32
 # Distinct caches the layers cycle through. Where four contexts' worth of keys and values fit in the
@@ -77,7 +78,7 @@ class DecodeStep:
             self.seq_lens,
             DIM**-0.5,
         )
-        return (expected.float() - self.outs[layer].float()).abs().max().item()
+        return max_abs_err(expected, self.outs[layer])
 
 
 def main() -> None:
@@ -93,7 +94,7 @@ def main() -> None:
     for batch in args.batch:
         for context in args.context:
             step = DecodeStep(batch, context, args.bound)
-            auto = choose_splits(batch, KV_HEADS, args.bound, 64)
+            auto = choose_splits(batch, KV_HEADS, args.bound, GPU_BLOCK_N)
             cells = [f"{graph_us(step.launches(None), REPLAYS):.2f} ({auto})"]
             errors = [step.error()]
             for splits in args.splits:
