@@ -221,8 +221,11 @@ def _scattered_kernel(
                                    dim_ok, n, sm_scale, BLOCK, PRECISION)  # fmt: skip
 
     # 3. Key columns, COLS at a time, minus those inside a block walked above. Their keys and
-    # values were gathered per head beforehand (`_gather_columns`), so these loads advance
-    # contiguously and pipeline; only the masks read the column positions.
+    # values were gathered per head beforehand (`_gather_columns`), so each chunk is one contiguous
+    # load; only the masks read the column positions. The loop is not software-pipelined (Triton 3.6
+    # for sm_90 leaves a plain range so): every pipelined form tried (tl.range at two or three
+    # stages, descriptors or pointers) gave wrong outputs or illegal accesses on an H200
+    # (docs/benchmarks/2026-12-01-pass2-pipelining-and-decode-warps-h200.md).
     n_cols = tl.load(col_cnt_ptr + hq)
     kc_ptrs = kc_ptr + head * stride_ch + dims[None, :]
     vc_ptrs = vc_ptr + head * stride_ch + dims[None, :]
