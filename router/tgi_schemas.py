@@ -14,7 +14,11 @@ STRICT = ConfigDict(extra="ignore", strict=True)
 
 
 class TGIParameters(BaseModel):
-    """`parameters` of /generate, /generate_stream and / (null means "not given", as clients send it)."""
+    """`parameters` of /generate, /generate_stream and / (null means "not given", as clients send it).
+
+    The ranges are checked here, not only in `SamplingParams`: a greedy request drops its warpers
+    before they reach it, and a bad value must still be an error, as in TGI.
+    """
 
     model_config = STRICT
 
@@ -23,19 +27,19 @@ class TGIParameters(BaseModel):
     decoder_input_details: bool = False
     details: bool = False
     do_sample: bool = False
-    frequency_penalty: float | None = None
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     grammar: Any | None = None
     max_new_tokens: int | None = Field(default=None, gt=0)
-    repetition_penalty: float | None = None
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
     return_full_text: bool | None = None
     seed: int | None = Field(default=None, ge=0)
     stop: list[str] | None = None
     temperature: float | None = None
     top_k: int | None = None
     top_n_tokens: int | None = Field(default=None, ge=0)
-    top_p: float | None = None
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     truncate: int | None = Field(default=None, gt=0)
-    typical_p: float | None = None
+    typical_p: float | None = Field(default=None, gt=0.0, le=1.0)
     watermark: bool = False
 
 
@@ -109,7 +113,7 @@ def tgi_knobs(params: TGIParameters, config: RouterConfig, stream: bool) -> Knob
         max_new_tokens=params.max_new_tokens,
         temperature=(params.temperature or 1.0) if sampling else 0.0,
         top_k=(params.top_k or 0) if sampling else 0,
-        top_p=(params.top_p or 1.0) if sampling else 1.0,
+        top_p=(params.top_p or 1.0) if sampling else 1.0,  # `or`: None; 0 is refused above
         typical_p=(params.typical_p or 1.0) if sampling else 1.0,
         repetition_penalty=params.repetition_penalty if params.repetition_penalty is not None else 1.0,
         frequency_penalty=params.frequency_penalty or 0.0,

@@ -106,6 +106,12 @@ async def test_openai_chat_stream_with_usage(tokenizer_dir, tokenizer):
         ("/generate", b'{"inputs": "x", "parameters": {"max_new_tokens": "3"}}', 422, "max_new_tokens"),
         ("/generate", b'{"inputs": "\xff"}', 422, "unicode"),
         ("/generate", b"", 422, "empty"),
+        # Out of range whether or not the request samples: a greedy one drops its warpers.
+        ("/generate", b'{"inputs": "x", "parameters": {"top_p": 1.5}}', 422, "top_p"),
+        ("/generate", b'{"inputs": "x", "parameters": {"do_sample": true, "top_p": 0}}', 422, "top_p"),
+        ("/generate", b'{"inputs": "x", "parameters": {"typical_p": 7}}', 422, "typical_p"),
+        ("/generate", b'{"inputs": "x", "parameters": {"repetition_penalty": 0}}', 422, "repetition_penalty"),
+        ("/generate", b'{"inputs": "x", "parameters": {"frequency_penalty": -3}}', 422, "frequency_penalty"),
         ("/v1/completions", b'{"prompt": "x", "temperature": 3}', 400, "temperature"),
         ("/v1/completions", b'{"prompt": "x", "max_tokens": 100000}', 400, "--max-total-tokens"),
         ("/v1/chat/completions", b'{"messages": "hi"}', 400, "messages"),
