@@ -21,12 +21,17 @@ def anyio_backend():
     return "asyncio"
 
 
-def build(tokenizer_dir, tokenizer, config=None, tick_s=0.001):
+def fake_app(tokenizer_dir, tokenizer, config=None, tick_s=0.001):
+    """The app around a fake engine that answers ANSWER, one token a tick."""
     eos = tokenizer.encode("<|im_end|>", add_special_tokens=False)[0]
     client = FakeEngineClient(text_script(tokenizer, ANSWER, eos), eos, tick_s)
     state = make_state(tokenizer_dir, client, config)
-    transport = httpx.ASGITransport(app=create_app(state))
-    return client, httpx.AsyncClient(transport=transport, base_url="http://test")
+    return client, state, create_app(state)
+
+
+def build(tokenizer_dir, tokenizer, config=None, tick_s=0.001):
+    client, _, app = fake_app(tokenizer_dir, tokenizer, config, tick_s)
+    return client, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
 
 
 def events(body: str) -> list[object]:
@@ -147,6 +152,51 @@ async def test_over_the_concurrency_limit_is_429(tokenizer_dir, tokenizer):
     assert second.status_code == 429 and "--max-concurrent-requests=1" in second.json()["error"]
     assert (await first).status_code == 200
     assert (await http.post("/generate", json={"inputs": "x"})).status_code == 200
+
+
+async def hang_up_after(app, path: str, body: dict, after_s: float) -> list[dict]:
+    """Call the app as a client that sends its request and closes the connection `after_s` later,
+    before any answer (httpx's ASGI transport cannot: it disconnects only after the response)."""
+    payload = json.dumps(body).encode()
+    headers = [
+        (b"host", b"test"),
+        (b"content-type", b"application/json"),
+        (b"content-length", b"%d" % len(payload)),
+    ]
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+        "headers": headers, "client": ("127.0.0.1", 1), "server": ("test", 80),
+    }  # fmt: skip
+    requests = [{"type": "http.request", "body": payload, "more_body": False}]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        if requests:
+            return requests.pop()
+        await asyncio.sleep(after_s)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    await asyncio.wait_for(app(scope, receive, send), timeout=10)
+    return sent
+
+
+@pytest.mark.parametrize(
+    ("path", "body"), [("/generate", {"inputs": "x"}), ("/v1/completions", {"prompt": "x", "max_tokens": 50})]
+)
+async def test_a_client_that_hangs_up_is_aborted_in_the_engine(tokenizer_dir, tokenizer, path, body):
+    """A non-streaming request stops in the engine as soon as its client goes, not at its end."""
+    client, state, app = fake_app(tokenizer_dir, tokenizer, tick_s=0.05)  # the answer takes ~0.6 s
+    sent = await hang_up_after(app, path, body, after_s=0.15)
+    assert len(client.submitted) == 1
+    assert client.aborted == [client.submitted[0][0]] and not client.finished
+    assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [499]
+    sample = state.metrics.registry.get_sample_value
+    assert sample("tgi_request_failure_total", {"err": "aborted"}) == 1
+    assert sample("tgi_request_success_total") == 0
 
 
 async def test_api_key(tokenizer_dir, tokenizer):
