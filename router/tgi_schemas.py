@@ -113,7 +113,7 @@ def tgi_knobs(params: TGIParameters, config: RouterConfig, stream: bool) -> Knob
         max_new_tokens=params.max_new_tokens,
         temperature=(params.temperature or 1.0) if sampling else 0.0,
         top_k=(params.top_k or 0) if sampling else 0,
-        top_p=(params.top_p or 1.0) if sampling else 1.0,  # `or`: None; 0 is refused above
+        top_p=(params.top_p or 1.0) if sampling else 1.0,  # `or` maps None; the schema refuses 0
         typical_p=(params.typical_p or 1.0) if sampling else 1.0,
         repetition_penalty=params.repetition_penalty if params.repetition_penalty is not None else 1.0,
         frequency_penalty=params.frequency_penalty or 0.0,

@@ -222,8 +222,8 @@ def _scattered_kernel(
 
     # 3. Key columns, COLS at a time, minus those inside a block walked above. Their keys and
     # values were gathered per head beforehand (`_gather_columns`), so each chunk is one contiguous
-    # load; only the masks read the column positions. The loop is not software-pipelined (Triton 3.6
-    # for sm_90 leaves a plain range so): every pipelined form tried (tl.range at two or three
+    # load; only the masks read the column positions. Triton 3.6 does not software-pipeline this
+    # plain range for sm_90, and it stays plain: every pipelined form tried (tl.range at two or three
     # stages, descriptors or pointers) gave wrong outputs or illegal accesses on an H200
     # (docs/benchmarks/2026-12-01-pass2-pipelining-and-decode-warps-h200.md).
     n_cols = tl.load(col_cnt_ptr + hq)
