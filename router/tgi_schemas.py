@@ -14,11 +14,7 @@ STRICT = ConfigDict(extra="ignore", strict=True)
 
 
 class TGIParameters(BaseModel):
-    """`parameters` of /generate, /generate_stream and / (null means "not given", as clients send it).
-
-    The ranges are checked here, not only in `SamplingParams`: a greedy request drops its warpers
-    before they reach it, and a bad value must still be an error, as in TGI.
-    """
+    """`parameters` of /generate, /generate_stream and / (null means "not given", as clients send it)."""
 
     model_config = STRICT
 
@@ -27,19 +23,19 @@ class TGIParameters(BaseModel):
     decoder_input_details: bool = False
     details: bool = False
     do_sample: bool = False
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = None
     grammar: Any | None = None
     max_new_tokens: int | None = Field(default=None, gt=0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    repetition_penalty: float | None = None
     return_full_text: bool | None = None
     seed: int | None = Field(default=None, ge=0)
     stop: list[str] | None = None
     temperature: float | None = None
     top_k: int | None = None
     top_n_tokens: int | None = Field(default=None, ge=0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_p: float | None = None
     truncate: int | None = Field(default=None, gt=0)
-    typical_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    typical_p: float | None = None
     watermark: bool = False
 
 
@@ -113,8 +109,10 @@ def tgi_knobs(params: TGIParameters, config: RouterConfig, stream: bool) -> Knob
         max_new_tokens=params.max_new_tokens,
         temperature=(params.temperature or 1.0) if sampling else 0.0,
         top_k=(params.top_k or 0) if sampling else 0,
-        top_p=(params.top_p or 1.0) if sampling else 1.0,  # `or` maps None; the schema refuses 0
-        typical_p=(params.typical_p or 1.0) if sampling else 1.0,
+        # Passed as given, sampling or not: SamplingParams checks their ranges (a value below 1
+        # makes the request sample, so a greedy one carries only 1 or an out-of-range value).
+        top_p=1.0 if params.top_p is None else params.top_p,
+        typical_p=1.0 if params.typical_p is None else params.typical_p,
         repetition_penalty=params.repetition_penalty if params.repetition_penalty is not None else 1.0,
         frequency_penalty=params.frequency_penalty or 0.0,
         seed=params.seed,
