@@ -130,6 +130,22 @@ class Admission:
         self.in_use -= 1
 
 
+@dataclass(frozen=True)
+class Timings:
+    """A finished generation's durations in seconds: what the request metrics record and what TGI's
+    `x-*-time` response headers report.
+
+    The engine does not report when it first schedules a request, so `queue` runs from submission
+    to the first token and holds the prompt's prefill too (TGI's stops where the prefill starts).
+    """
+
+    validation: float
+    queue: float  # submitted to the engine -> the first token
+    inference: float  # the first token -> the last
+    total: float  # validation, then admission to the end
+    per_token: float  # submitted -> the end, over the generated tokens (0 when there are none)
+
+
 class Generation:
     """One HTTP request's engine work: one or more prompts, each with one or more sequences.
 
@@ -151,6 +167,7 @@ class Generation:
         self.num_prompt_tokens = sum(spec.num_prompt_tokens for spec in specs)
         self.sequences: list[SequenceState] = []
         self.submitted_at = self.started_at
+        self.timings: Timings | None = None  # set when it finishes successfully
 
     def prompt_logprobs(self, prompt_index: int) -> list[TokenLogprob | None] | None:
         """The prompt's scored tokens, from whichever of its sequences was asked to score it."""
@@ -227,15 +244,24 @@ class Generation:
         if unfinished:
             metrics.request_failure.labels(err="aborted").inc()
             return
-        now = time.monotonic()
         generated = sum(len(state.tokens) for state in self.states.values())
+        self.timings = self._timings(time.monotonic(), generated)
         metrics.request_success.inc()
-        metrics.request_duration.observe(now - self.started_at + self.validation_s)
+        metrics.request_duration.observe(self.timings.total)
         metrics.generated_tokens.observe(generated)
-        first = min(self.first_token_at.values(), default=now)
-        metrics.inference_duration.observe(now - first)
+        metrics.inference_duration.observe(self.timings.inference)
         if generated:
-            metrics.mean_time_per_token.observe((now - self.submitted_at) / generated)
+            metrics.mean_time_per_token.observe(self.timings.per_token)
+
+    def _timings(self, now: float, generated: int) -> Timings:
+        first = min(self.first_token_at.values(), default=now)
+        return Timings(
+            validation=self.validation_s,
+            queue=first - self.submitted_at,
+            inference=now - first,
+            total=now - self.started_at + self.validation_s,
+            per_token=(now - self.submitted_at) / generated if generated else 0.0,
+        )
 
 
 class Generator:

@@ -81,11 +81,16 @@ class EventStreamResponse(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None]):
+    def __init__(
+        self,
+        events: AsyncIterator[bytes],
+        on_close: Callable[[], None],
+        headers: dict[str, str] | None = None,
+    ):
         # Like StreamingResponse: no `body` attribute, so no Content-Length header.
         self.status_code = 200
         self.background = None
-        self.init_headers(SSE_HEADERS)
+        self.init_headers({**SSE_HEADERS, **(headers or {})})
         self.events = events
         self.on_close = on_close
 

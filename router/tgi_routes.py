@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -103,9 +104,39 @@ def generate_response(state: RouterState, request: TGIRequest, generation: Gener
     return body
 
 
-def response_headers(generation: Generation) -> dict[str, str]:
+def compute_type(state: RouterState) -> str:
+    """TGI's `x-compute-type`: $COMPUTE_TYPE where the deployment names it, else the engine's device."""
+    return os.environ.get("COMPUTE_TYPE") or state.engine.device or "unknown"
+
+
+def stream_headers(state: RouterState, request: TGIRequest) -> dict[str, str]:
+    """What TGI sends before a stream's first event, when no timing is known yet."""
+    return {"x-compute-type": compute_type(state), "x-compute-characters": str(len(request.inputs))}
+
+
+def response_headers(state: RouterState, request: TGIRequest, generation: Generation) -> dict[str, str]:
+    """TGI's headers of a finished /generate: sizes, and its durations (ms, whole; x-compute-time in s)."""
     generated = sum(len(seq.tokens) for seq in generation.sequences)
-    return {"x-prompt-tokens": str(generation.num_prompt_tokens), "x-generated-tokens": str(generated)}
+    headers = {
+        **stream_headers(state, request),
+        "x-prompt-tokens": str(generation.num_prompt_tokens),
+        "x-generated-tokens": str(generated),
+    }
+    timings = generation.timings
+    if timings is None:  # not finished: no durations to report
+        return headers
+    milliseconds = {
+        "x-total-time": timings.total,
+        "x-validation-time": timings.validation,
+        "x-queue-time": timings.queue,
+        "x-inference-time": timings.inference,
+        "x-time-per-token": timings.per_token,
+    }
+    return {
+        **headers,
+        "x-compute-time": f"{timings.total:.6f}",
+        **{name: str(int(seconds * 1000)) for name, seconds in milliseconds.items()},
+    }
 
 
 async def tgi_events(state: RouterState, request: TGIRequest, generation: Generation) -> AsyncIterator[bytes]:
@@ -150,10 +181,13 @@ async def generate(request: Request, stream: bool | None) -> Response:
     generation = await start_generation(request, build)
     tgi_request = parsed["request"]
     if tgi_request.stream if stream is None else stream:
-        return EventStreamResponse(tgi_events(state, tgi_request, generation), generation.close)
+        events = tgi_events(state, tgi_request, generation)
+        return EventStreamResponse(events, generation.close, headers=stream_headers(state, tgi_request))
     await until_disconnected(request, state.generator.run(generation))
     body = generate_response(state, tgi_request, generation)
-    return JSONResponse([body] if stream is None else body, headers=response_headers(generation))
+    return JSONResponse(
+        [body] if stream is None else body, headers=response_headers(state, tgi_request, generation)
+    )
 
 
 @router.post("/generate")

@@ -58,6 +58,36 @@ async def test_tgi_generate_with_details(tokenizer_dir, tokenizer):
     assert len(details["top_tokens"][0]) == 2
 
 
+async def test_tgi_generate_reports_its_durations_in_headers(tokenizer_dir, tokenizer, monkeypatch):
+    """TGI's x-* headers: sizes, and durations equal to what the request metrics recorded."""
+    monkeypatch.setenv("COMPUTE_TYPE", "gpu+optimized")
+    _, state, app = fake_app(tokenizer_dir, tokenizer, tick_s=0.01)
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+    response = await http.post("/generate", json={"inputs": "Q: France?", "parameters": {"details": True}})
+    assert response.status_code == 200, response.text
+    headers = response.headers
+    assert headers["x-compute-type"] == "gpu+optimized"
+    assert headers["x-compute-characters"] == str(len("Q: France?"))
+    assert headers["x-prompt-tokens"] == str(len(tokenizer.encode("Q: France?")))
+    assert headers["x-generated-tokens"] == str(response.json()["details"]["generated_tokens"])
+    total, inference = int(headers["x-total-time"]), int(headers["x-inference-time"])
+    queue, per_token = int(headers["x-queue-time"]), int(headers["x-time-per-token"])
+    generated = int(headers["x-generated-tokens"])
+    assert inference >= (generated - 1) * 10 - 1, "one token a 10 ms tick after the first"
+    assert total >= queue + inference >= inference > per_token >= 10
+    assert int(headers["x-validation-time"]) <= total
+    assert abs(float(headers["x-compute-time"]) * 1000 - total) < 1
+    recorded = {
+        name: state.metrics.registry.get_sample_value(f"tgi_request_{name}_duration_sum")
+        for name in ("inference", "mean_time_per_token")
+    }
+    assert int(recorded["inference"] * 1000) == inference
+    assert int(recorded["mean_time_per_token"] * 1000) == per_token
+    stream = await http.post("/generate_stream", json={"inputs": "Q:"})
+    assert stream.headers["x-compute-type"] == "gpu+optimized"
+    assert stream.headers["x-compute-characters"] == "2"
+
+
 async def test_tgi_stream_and_compat_route(tokenizer_dir, tokenizer):
     _, http = build(tokenizer_dir, tokenizer)
     response = await http.post("/generate_stream", json={"inputs": "Q:", "parameters": {"stop": ["."]}})
