@@ -135,15 +135,15 @@ class Timings:
     """A finished generation's durations in seconds: what the request metrics record and what TGI's
     `x-*-time` response headers report.
 
-    The engine does not report when it first schedules a request, so `queue` runs from submission
-    to the first token and holds the prompt's prefill too (TGI's stops where the prefill starts).
+    As TGI's: the queue ends when the engine first schedules the request, and inference (the prompt's
+    prefill, then decoding) runs from there to the last token.
     """
 
     validation: float
-    queue: float  # submitted to the engine -> the first token
-    inference: float  # the first token -> the last
+    queue: float  # submitted to the engine -> first scheduled
+    inference: float  # first scheduled -> the last token
     total: float  # validation, then admission to the end
-    per_token: float  # submitted -> the end, over the generated tokens (0 when there are none)
+    per_token: float  # inference over the generated tokens (0 when there are none)
 
 
 class Generation:
@@ -161,6 +161,7 @@ class Generation:
         self.validation_s = validation_s
         self.states: dict[str, SequenceState] = {}
         self.first_token_at: dict[str, float] = {}
+        self.scheduled_at: dict[str, float] = {}  # when the engine first gave each sequence a step
         self.last_token_at: dict[str, float] = {}
         self.closed = False
         self.error: RouterError | None = None
@@ -186,8 +187,8 @@ class Generation:
                 self.states[request_id] = state
                 self.sequences.append(state)
                 requests.append((request_id, spec.prompt_token_ids, params))
-        self.queue = self.generator.client.submit(requests)
         self.submitted_at = time.monotonic()
+        self.queue = self.generator.client.submit(requests)
 
     async def deltas(self) -> AsyncIterator[tuple[int, SequenceDelta]]:
         """(prompt index, delta) for every sequence until all have finished."""
@@ -201,7 +202,7 @@ class Generation:
             if state is None or item.request_id not in unfinished:
                 continue
             delta = state.apply(item)
-            self._record_timing(item.request_id, len(delta.tokens))
+            self._record_timing(item.request_id, len(delta.tokens), item.scheduled_at)
             if state.finished:
                 unfinished.discard(item.request_id)
                 self.generator.client.release([item.request_id])
@@ -209,7 +210,7 @@ class Generation:
                     self.generator.client.finish(item.request_id, "stop_sequence")
             yield state.prompt_index, delta
 
-    def _record_timing(self, request_id: str, num_tokens: int) -> None:
+    def _record_timing(self, request_id: str, num_tokens: int, scheduled_at: float | None) -> None:
         if num_tokens == 0:
             return
         now = time.monotonic()
@@ -217,8 +218,11 @@ class Generation:
         previous = self.last_token_at.get(request_id)
         if previous is None:
             self.first_token_at[request_id] = now
+            # Within [submission, first token] whatever the engine reported (None: no schedule time).
+            scheduled = now if scheduled_at is None else min(max(scheduled_at, self.submitted_at), now)
+            self.scheduled_at[request_id] = scheduled
             metrics.time_to_first_token.observe(now - self.submitted_at)
-            metrics.queue_duration.observe(now - self.submitted_at)
+            metrics.queue_duration.observe(scheduled - self.submitted_at)
             num_tokens -= 1
             previous = now
         for _ in range(num_tokens):
@@ -254,13 +258,13 @@ class Generation:
             metrics.mean_time_per_token.observe(self.timings.per_token)
 
     def _timings(self, now: float, generated: int) -> Timings:
-        first = min(self.first_token_at.values(), default=now)
+        started = min(self.scheduled_at.values(), default=now)
         return Timings(
             validation=self.validation_s,
-            queue=first - self.submitted_at,
-            inference=now - first,
+            queue=started - self.submitted_at,
+            inference=now - started,
             total=now - self.started_at + self.validation_s,
-            per_token=(now - self.submitted_at) / generated if generated else 0.0,
+            per_token=(now - started) / generated if generated else 0.0,
         )
 
 

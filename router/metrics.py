@@ -103,7 +103,9 @@ class RouterMetrics:
         )
         self.request_duration = _histogram("tgi_request_duration", "End-to-end request latency (s)", r)
         self.queue_duration = _histogram(
-            "tgi_request_queue_duration", "Time from submission to the engine until the first token (s)", r
+            "tgi_request_queue_duration",
+            "Time from submission to the engine until it first schedules the request (s)",
+            r,
         )
         self.validation_duration = _histogram(
             "tgi_request_validation_duration",
@@ -112,11 +114,13 @@ class RouterMetrics:
             LATENCY_BUCKETS,
         )
         self.inference_duration = _histogram(
-            "tgi_request_inference_duration", "Time from the first token to the last (s)", r
+            "tgi_request_inference_duration",
+            "Time from the request's first step (its prefill) to its last token (s)",
+            r,
         )
         self.mean_time_per_token = _histogram(
             "tgi_request_mean_time_per_token_duration",
-            "Mean time per generated token (s)",
+            "Inference time over the generated tokens (s)",
             r,
             LATENCY_BUCKETS,
         )

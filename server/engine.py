@@ -310,6 +310,7 @@ class LLMEngine:
             num_cached_tokens=max(0, request.num_cached_tokens),
             num_output_tokens=request.num_output_tokens,
             prompt_logprobs=prompt_logprobs,
+            scheduled_at=request.first_scheduled_time,
         )
 
     def reset_counters(self) -> None:

@@ -20,7 +20,9 @@ class RequestOutput:
 
     finish_reason is None while running, else "length", "eos_token", "stop_sequence" or "abort".
     prompt_logprobs, when the request asked for them, comes once, with its first token: one entry
-    per prompt token, None for the first.
+    per prompt token, None for the first. scheduled_at is when the engine first scheduled the
+    request, on `time.monotonic()`'s clock, which every process of the host shares: the router
+    subtracts its own submission time from it to get the time the request queued.
     """
 
     request_id: str
@@ -32,6 +34,7 @@ class RequestOutput:
     num_cached_tokens: int
     num_output_tokens: int
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    scheduled_at: float | None = None
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,6 +28,7 @@ class FakeEngineClient:
         self.script = script
         self.eos_token_id = eos_token_id
         self.tick_s = tick_s
+        self.queue_s = 0.0  # how long a request waits before it is scheduled
         self.queues: dict[str, asyncio.Queue[EngineItem]] = {}
         self.submitted: list[tuple[str, list[int], SamplingParams]] = []
         self.aborted: list[str] = []
@@ -59,6 +61,8 @@ class FakeEngineClient:
         self, request_id: str, prompt: list[int], params: SamplingParams, queue: asyncio.Queue[EngineItem]
     ) -> None:
         tokens = self.script(prompt, params)
+        await asyncio.sleep(self.queue_s)
+        scheduled_at = time.monotonic()
         for position, token in enumerate(tokens):
             await asyncio.sleep(self.tick_s)
             if request_id not in self.queues:
@@ -72,7 +76,17 @@ class FakeEngineClient:
                 logprobs = [TokenLogprob(token, -0.5, top)]
             reason = ("eos_token" if eos else "length") if done else None
             queue.put_nowait(
-                RequestOutput(request_id, [token], logprobs, done, reason, len(prompt), 0, count)
+                RequestOutput(
+                    request_id,
+                    [token],
+                    logprobs,
+                    done,
+                    reason,
+                    len(prompt),
+                    0,
+                    count,
+                    scheduled_at=scheduled_at,
+                )
             )
             if done:
                 return

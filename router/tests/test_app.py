@@ -59,9 +59,11 @@ async def test_tgi_generate_with_details(tokenizer_dir, tokenizer):
 
 
 async def test_tgi_generate_reports_its_durations_in_headers(tokenizer_dir, tokenizer, monkeypatch):
-    """TGI's x-* headers: sizes, and durations equal to what the request metrics recorded."""
+    """TGI's x-* headers: sizes, and durations equal to what the request metrics recorded. The fake
+    engine schedules a request 30 ms after it arrives, then gives it a token every 10 ms."""
     monkeypatch.setenv("COMPUTE_TYPE", "gpu+optimized")
-    _, state, app = fake_app(tokenizer_dir, tokenizer, tick_s=0.01)
+    client, state, app = fake_app(tokenizer_dir, tokenizer, tick_s=0.01)
+    client.queue_s = 0.03
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
     response = await http.post("/generate", json={"inputs": "Q: France?", "parameters": {"details": True}})
     assert response.status_code == 200, response.text
@@ -73,14 +75,16 @@ async def test_tgi_generate_reports_its_durations_in_headers(tokenizer_dir, toke
     total, inference = int(headers["x-total-time"]), int(headers["x-inference-time"])
     queue, per_token = int(headers["x-queue-time"]), int(headers["x-time-per-token"])
     generated = int(headers["x-generated-tokens"])
-    assert inference >= (generated - 1) * 10 - 1, "one token a 10 ms tick after the first"
-    assert total >= queue + inference >= inference > per_token >= 10
+    assert 29 <= queue < 30 + 10 * generated, "scheduled after 30 ms, before the first token"
+    assert inference >= generated * 10 - 1, "a token every 10 ms from the schedule"
+    assert total >= queue + inference > inference > per_token >= 9
     assert int(headers["x-validation-time"]) <= total
     assert abs(float(headers["x-compute-time"]) * 1000 - total) < 1
     recorded = {
         name: state.metrics.registry.get_sample_value(f"tgi_request_{name}_duration_sum")
-        for name in ("inference", "mean_time_per_token")
+        for name in ("queue", "inference", "mean_time_per_token")
     }
+    assert int(recorded["queue"] * 1000) == queue
     assert int(recorded["inference"] * 1000) == inference
     assert int(recorded["mean_time_per_token"] * 1000) == per_token
     stream = await http.post("/generate_stream", json={"inputs": "Q:"})

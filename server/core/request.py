@@ -55,7 +55,15 @@ class Request:
         self.num_cached_tokens = -1
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
+        # When the engine first gave it a step (time.monotonic()): the end of its wait in the queue.
+        self.first_scheduled_time: float | None = None
         self.finish_reason: FinishReason | None = None
+
+    def mark_running(self) -> None:
+        """Scheduled into a step; the first time ends its wait in the queue (preemption does not restart it)."""
+        self.status = RequestStatus.RUNNING
+        if self.first_scheduled_time is None:
+            self.first_scheduled_time = time.monotonic()
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -290,7 +290,7 @@ class Scheduler:
         bm = self.block_manager
         self.waiting.popleft()
         self.running.append(request)
-        request.status = RequestStatus.RUNNING
+        request.mark_running()
         request.num_computed_tokens = num_cached
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_cached

@@ -148,7 +148,7 @@ class StaticBatchEngine:
         outputs = []
         while self.waiting and self.batch.num_free_rows:
             request = self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
+            request.mark_running()
             logits, kv = self.batch.prefill(request.prompt_token_ids)
             outputs += self._sample([request], logits[-1:], prompt_logprobs(request, logits))
             if not request.is_finished:

@@ -57,4 +57,5 @@ def output_delta(
         num_cached_tokens=0,  # no prefix cache: every prompt is computed
         num_output_tokens=request.num_output_tokens,
         prompt_logprobs=prompt_scores,
+        scheduled_at=request.first_scheduled_time,
     )

@@ -10,6 +10,7 @@ stop tokens, a stop found downstream (`finish_request`) and an abort.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -50,6 +51,8 @@ class Seen:
     logprobs: list = field(default_factory=list)
     prompt_logprobs: list | None = None
     finish_reason: str | None = None
+    scheduled_at: set = field(default_factory=set)  # what its outputs said of its first step
+    added_at: float = 0.0
 
 
 def serve(
@@ -75,6 +78,7 @@ def serve(
     for step in range(500):
         for i, arrival in enumerate(ARRIVALS):
             if arrival == step:
+                seen[f"r{i}"].added_at = time.monotonic()
                 engine.add_request(f"r{i}", PROMPTS[i], params[i])
         if step > max(ARRIVALS) and not engine.needs_step():
             return seen, engine
@@ -84,6 +88,7 @@ def serve(
             got.logprobs += out.new_logprobs or []
             got.prompt_logprobs = out.prompt_logprobs or got.prompt_logprobs
             got.finish_reason = out.finish_reason
+            got.scheduled_at.add(out.scheduled_at)
             # What the router does on a stop string, and what a client going away does.
             if out.request_id == "r6" and len(got.tokens) == 3 and not out.finished:
                 engine.finish_request("r6", "stop_sequence")
@@ -132,6 +137,14 @@ def test_every_request_gets_the_same_tokens_and_finish(runs) -> None:
     for request_id, expected in synchronous.items():
         got = overlapped[request_id]
         assert (got.tokens, got.finish_reason) == (expected.tokens, expected.finish_reason), request_id
+
+
+def test_outputs_say_when_their_request_was_first_scheduled(runs) -> None:
+    """The time a request's queueing ended, the same in each of its outputs, preempted or not."""
+    for seen in runs[:2]:
+        for request_id, got in seen.items():
+            assert len(got.scheduled_at) == 1 and None not in got.scheduled_at, request_id
+            assert got.added_at <= min(got.scheduled_at) <= time.monotonic(), request_id
 
 
 def test_logprobs_and_prompt_logprobs_are_the_same(runs) -> None:

@@ -174,6 +174,8 @@ def test_staggered_requests_each_get_what_they_get_alone(arch: str) -> None:
         want = generate_alone(arch, tuple(arrival.prompt), budget)
         assert len(set(tracked.steps)) == len(tracked.steps), "one token per request per step"
         assert all(len(d.new_token_ids) == 1 for d in tracked.deltas)
+        stamps = {d.scheduled_at for d in tracked.deltas}  # when its queueing ended, in every delta
+        assert not tracked.deltas or (len(stamps) == 1 and None not in stamps)
         if arrival.request_id.endswith("aborted"):
             assert tracked.aborted_with == 0 and not tracked.deltas  # never left the queue
             continue

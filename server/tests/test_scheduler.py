@@ -301,6 +301,9 @@ def test_fcfs_the_head_of_the_queue_is_never_overtaken() -> None:
     out, _ = step(sched, runner)
     assert list(out.num_scheduled_tokens) == ["r"]
     assert [r.request_id for r in sched.waiting] == ["big", "small"]
+    # Only a scheduled request's wait in the queue has ended.
+    assert sched.get_request("r").first_scheduled_time is not None
+    assert [r.first_scheduled_time for r in sched.waiting] == [None, None]
 
 
 def test_max_num_seqs_limits_admission() -> None:
@@ -335,6 +338,8 @@ def test_preemption_by_recompute_when_blocks_run_out(prefix_caching: bool) -> No
     assert [r.request_id for r in sched.waiting] == ["c", "d"] and c.status == RequestStatus.PREEMPTED
     assert c.num_computed_tokens == 0 and c.num_preemptions == 1 and c.num_output_tokens == 1
     assert sched.num_preemptions == 1 and sched.stats().num_preemptions == 1
+    first_scheduled = c.first_scheduled_time
+    assert first_scheduled is not None and late.first_scheduled_time is None
     resumed = None
     while sched.has_unfinished_requests():
         out, _ = step(sched, runner)
@@ -342,6 +347,8 @@ def test_preemption_by_recompute_when_blocks_run_out(prefix_caching: bool) -> No
     # c resumes in full: prompt plus the token it had already produced.
     assert resumed is not None and resumed.token_ids == prompts["c"] + c.output_token_ids[:1]
     assert resumed.num_prompt_tokens == 8 and c.num_cached_tokens == 0
+    assert c.first_scheduled_time == first_scheduled, "resuming after preemption is not a first schedule"
+    assert late.first_scheduled_time is not None and late.first_scheduled_time >= late.arrival_time
     for request in requests:
         assert request.output_token_ids == reference(prompts[request.request_id], 10)
         assert request.finish_reason == FinishReason.LENGTH
