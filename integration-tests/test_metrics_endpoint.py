@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 EXPECTED = {
@@ -20,6 +21,7 @@ EXPECTED = {
     "tgi_batch_current_max_tokens",
     "tgi_queue_size",
     "tgserve_time_to_first_token_seconds",
+    "tgserve_request_prefill_seconds",
     "tgserve_inter_token_latency_seconds",
     "tgserve_kv_cache_usage_ratio",
     "tgserve_preemptions",
@@ -52,3 +54,26 @@ def test_metrics_parse_and_carry_every_name(tiny_server):
         s for s in families["tgserve_time_to_first_token_seconds"].samples if s.name.endswith("_count")
     ]
     assert ttft_count[0].value >= 2
+
+
+def test_time_to_first_token_splits_into_queue_and_prefill(tiny_server):
+    """The engine process reports when it first scheduled each request: the router's queue time
+    ends there and the prefill starts, and the two add up to the time to the first token."""
+    response = httpx.post(
+        f"{tiny_server.url}/generate",
+        json={"inputs": "Twelve months make a year. " * 4, "parameters": {"max_new_tokens": 2}},
+        headers=tiny_server.headers,
+        timeout=30,
+    )
+    assert response.status_code == 200
+    text = httpx.get(f"{tiny_server.url}/metrics", timeout=10).text
+    sums = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name.endswith("_sum")
+    }
+    queue = sums["tgi_request_queue_duration_sum"]
+    prefill = sums["tgserve_request_prefill_seconds_sum"]
+    assert prefill > 0, "no schedule time crossed from the engine: the prefill would count as queue"
+    assert queue + prefill == pytest.approx(sums["tgserve_time_to_first_token_seconds_sum"], rel=1e-6)

@@ -223,6 +223,7 @@ class Generation:
             self.scheduled_at[request_id] = scheduled
             metrics.time_to_first_token.observe(now - self.submitted_at)
             metrics.queue_duration.observe(scheduled - self.submitted_at)
+            metrics.prefill.observe(now - scheduled)
             num_tokens -= 1
             previous = now
         for _ in range(num_tokens):

@@ -133,6 +133,12 @@ class RouterMetrics:
         self.time_to_first_token = _histogram(
             "tgserve_time_to_first_token_seconds", "Time to first token (s)", r, DURATION_BUCKETS
         )
+        self.prefill = _histogram(
+            "tgserve_request_prefill_seconds",
+            "Time from a sequence's first step to its first token: the prompt's prefill (s)",
+            r,
+            DURATION_BUCKETS,
+        )
         self.inter_token_latency = _histogram(
             "tgserve_inter_token_latency_seconds",
             "Time between two tokens of a sequence (s)",

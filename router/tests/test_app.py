@@ -87,6 +87,8 @@ async def test_tgi_generate_reports_its_durations_in_headers(tokenizer_dir, toke
     assert int(recorded["queue"] * 1000) == queue
     assert int(recorded["inference"] * 1000) == inference
     assert int(recorded["mean_time_per_token"] * 1000) == per_token
+    prefill = state.metrics.registry.get_sample_value("tgserve_request_prefill_seconds_sum")
+    assert 0.009 <= prefill <= inference / 1000, "the first token comes a tick after the schedule"
     stream = await http.post("/generate_stream", json={"inputs": "Q:"})
     assert stream.headers["x-compute-type"] == "gpu+optimized"
     assert stream.headers["x-compute-characters"] == "2"

@@ -24,6 +24,7 @@ TGI_NAMES = {
 }
 OWN_NAMES = {
     "tgserve_time_to_first_token_seconds",
+    "tgserve_request_prefill_seconds",
     "tgserve_inter_token_latency_seconds",
     "tgserve_kv_cache_usage_ratio",
     "tgserve_kv_cache_free_blocks",
