@@ -7,6 +7,7 @@ metrics, and clean-up (abort) however the request ends.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 import uuid
@@ -21,6 +22,8 @@ from tgserve.router.tokenization import RouterTokenizer
 from tgserve.router.validation import GenerationSpec
 from tgserve.server.outputs import RequestOutput, TokenLogprob
 from tgserve.server.sampling_params import SamplingParams
+
+logger = logging.getLogger("tgserve.router")
 
 
 @dataclass(frozen=True)
@@ -257,6 +260,25 @@ class Generation:
         metrics.inference_duration.observe(self.timings.inference)
         if generated:
             metrics.mean_time_per_token.observe(self.timings.per_token)
+        self._log_success(generated)
+
+    def _log_success(self, generated: int) -> None:
+        """One line a request, as TGI logs it: sizes, durations and how it ended (never the text)."""
+        timings = self.timings
+        assert timings is not None
+        finishes = sorted({state.finish_reason or "" for state in self.states.values()})
+        logger.info(
+            "success: prompt_tokens=%d generated_tokens=%d total_time=%.3fs validation_time=%.1fms "
+            "queue_time=%.1fms inference_time=%.3fs time_per_token=%.1fms finish=%s",
+            self.num_prompt_tokens,
+            generated,
+            timings.total,
+            timings.validation * 1e3,
+            timings.queue * 1e3,
+            timings.inference,
+            timings.per_token * 1e3,
+            ",".join(finishes),
+        )
 
     def _timings(self, now: float, generated: int) -> Timings:
         started = min(self.scheduled_at.values(), default=now)

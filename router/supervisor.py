@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib
 import logging
 import os
 import signal
@@ -31,7 +32,7 @@ from tgserve.router.engine_client import EngineClient
 from tgserve.router.generation import Admission, Generator
 from tgserve.router.metrics import RouterMetrics
 from tgserve.router.state import RouterState
-from tgserve.router.tokenization import RouterTokenizer
+from tgserve.router.tokenization import CHAT_RENDERER, RouterTokenizer
 from tgserve.server.engine_service import EngineServiceConfig
 
 logger = logging.getLogger("tgserve.launcher")
@@ -117,6 +118,7 @@ def build_state(
     args: argparse.Namespace, config: RouterConfig, client: EngineClient, ready: Any
 ) -> RouterState:
     tokenizer = RouterTokenizer.from_directory(ready.tokenizer_dir)
+    tokenizer.warm_up_chat_template()
     resolved = config.resolve(ready.max_model_len)
     metrics = RouterMetrics(lambda: (client.stats, ready.block_size))
     generator = Generator(client, tokenizer, metrics, Admission(resolved.max_concurrent_requests))
@@ -179,8 +181,11 @@ async def _serve_on(
 ) -> int:
     client = EngineClient(ipc_dir)
     process = start_engine(args, client, ipc_dir)
+    # The chat renderer's import takes most of a second: done while the engine loads.
+    renderer = asyncio.create_task(asyncio.to_thread(importlib.import_module, CHAT_RENDERER))
     try:
         ready = await wait_for_engine(client, process, args.model_id or "the default model")
+        await renderer
         state = build_state(args, config, client, ready)
     except (RuntimeError, ValueError, OSError) as exc:
         logger.error("%s", exc)

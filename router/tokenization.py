@@ -9,6 +9,7 @@ since both use the same tokenizer.json.
 
 from __future__ import annotations
 
+import importlib
 import json
 from functools import lru_cache
 from pathlib import Path
@@ -17,6 +18,8 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from tgserve.router.errors import ValidationError
+
+CHAT_RENDERER = "transformers.utils.chat_template_utils"  # imports transformers, not torch
 
 SPECIAL_TOKEN_KEYS = (
     "bos_token",
@@ -129,7 +132,7 @@ class RouterTokenizer:
 
     def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """Render messages with the model's own Jinja chat template, exactly as transformers does."""
-        from transformers.utils.chat_template_utils import render_jinja_template
+        render_jinja_template = importlib.import_module(CHAT_RENDERER).render_jinja_template
 
         if not self.chat_template:
             raise ValidationError("this model has no chat template; use /v1/completions", param="messages")
@@ -145,6 +148,17 @@ class RouterTokenizer:
                 f"the chat template failed on these messages: {exc}", param="messages"
             ) from exc
         return rendered[0]
+
+    def warm_up_chat_template(self) -> None:
+        """Render the template once before serving. The first render imports transformers' renderer
+        (about 0.7 s) and compiles the template, which the first chat request would otherwise wait
+        for. A template that refuses a lone user message has still been compiled by then."""
+        if not self.chat_template:
+            return
+        try:
+            self.chat_prompt([{"role": "user", "content": "Hello"}])
+        except ValidationError:
+            pass
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         """Template then tokenize; the template already wrote the special tokens it wants."""

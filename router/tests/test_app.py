@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import httpx
 import pytest
@@ -58,10 +59,12 @@ async def test_tgi_generate_with_details(tokenizer_dir, tokenizer):
     assert len(details["top_tokens"][0]) == 2
 
 
-async def test_tgi_generate_reports_its_durations_in_headers(tokenizer_dir, tokenizer, monkeypatch):
-    """TGI's x-* headers: sizes, and durations equal to what the request metrics recorded. The fake
+async def test_tgi_generate_reports_its_durations_in_headers(tokenizer_dir, tokenizer, monkeypatch, caplog):
+    """TGI's x-* headers and log line: sizes, and durations equal to what the request metrics
+    recorded. The fake
     engine schedules a request 30 ms after it arrives, then gives it a token every 10 ms."""
     monkeypatch.setenv("COMPUTE_TYPE", "gpu+optimized")
+    caplog.set_level(logging.INFO, logger="tgserve.router")
     client, state, app = fake_app(tokenizer_dir, tokenizer, tick_s=0.01)
     client.queue_s = 0.03
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
@@ -87,8 +90,17 @@ async def test_tgi_generate_reports_its_durations_in_headers(tokenizer_dir, toke
     assert int(recorded["queue"] * 1000) == queue
     assert int(recorded["inference"] * 1000) == inference
     assert int(recorded["mean_time_per_token"] * 1000) == per_token
+    recorded_total = state.metrics.registry.get_sample_value("tgi_request_duration_sum")
+    recorded_validation = state.metrics.registry.get_sample_value("tgi_request_validation_duration_sum")
     prefill = state.metrics.registry.get_sample_value("tgserve_request_prefill_seconds_sum")
     assert 0.009 <= prefill <= inference / 1000, "the first token comes a tick after the schedule"
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("success:")]
+    assert logged == [
+        f"success: prompt_tokens={headers['x-prompt-tokens']} generated_tokens={generated} "
+        f"total_time={recorded_total:.3f}s validation_time={recorded_validation * 1e3:.1f}ms "
+        f"queue_time={recorded['queue'] * 1e3:.1f}ms inference_time={recorded['inference']:.3f}s "
+        f"time_per_token={recorded['mean_time_per_token'] * 1e3:.1f}ms finish=eos_token"
+    ]
     stream = await http.post("/generate_stream", json={"inputs": "Q:"})
     assert stream.headers["x-compute-type"] == "gpu+optimized"
     assert stream.headers["x-compute-characters"] == "2"

@@ -1,4 +1,4 @@
-"""Admission limits and parameter translation, without an engine."""
+"""Admission limits, parameter translation and chat templates, without an engine."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from tgserve.router.config import RouterConfig
 from tgserve.router.errors import ValidationError
 from tgserve.router.openai_schemas import CompletionRequest, logit_bias, openai_knobs
 from tgserve.router.tgi_schemas import TGIParameters, tgi_knobs
+from tgserve.router.tokenization import RouterTokenizer
 from tgserve.router.validation import Knobs, build_spec, check_limits, sequence_seeds
 
 CONFIG = RouterConfig(max_input_tokens=10, max_total_tokens=20).resolve(64)
@@ -106,3 +107,19 @@ def test_logit_bias_bounds():
         logit_bias({"abc": 1.0})
     with pytest.raises(ValidationError, match=r"\[-100, 100\]"):
         logit_bias({"1": 101.0})
+
+
+def test_warming_up_a_chat_template_that_refuses_a_lone_user_message(tokenizer) -> None:
+    """The start-up render is only a warm-up: a template's refusal of its probe is not an error."""
+    strict = RouterTokenizer(
+        tokenizer.tokenizer,
+        chat_template=(
+            "{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system message first') }}{% endif %}"
+            "{{ messages[-1]['content'] }}"
+        ),
+    )
+    strict.warm_up_chat_template()
+    with pytest.raises(ValidationError, match="a system message first"):
+        strict.chat_prompt([{"role": "user", "content": "hi"}])
+    assert strict.chat_prompt([{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]) == "hi"
+    RouterTokenizer(tokenizer.tokenizer).warm_up_chat_template()  # no template: nothing to render
