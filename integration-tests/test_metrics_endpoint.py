@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -22,6 +24,8 @@ EXPECTED = {
     "tgi_queue_size",
     "tgserve_time_to_first_token_seconds",
     "tgserve_request_prefill_seconds",
+    "tgi_batch_inference_duration",
+    "tgi_batch_inference_count",
     "tgserve_inter_token_latency_seconds",
     "tgserve_kv_cache_usage_ratio",
     "tgserve_preemptions",
@@ -54,6 +58,37 @@ def test_metrics_parse_and_carry_every_name(tiny_server):
         s for s in families["tgserve_time_to_first_token_seconds"].samples if s.name.endswith("_count")
     ]
     assert ttft_count[0].value >= 2
+    assert "tgi_request_success " in text and "tgi_request_success_total" not in text  # TGI's own names
+
+
+def step_counts(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    family = next(f for f in text_string_to_metric_families(text) if f.name == "tgi_batch_inference_count")
+    return {s.labels["method"]: s.value for s in family.samples}
+
+
+def test_engine_steps_are_timed_by_kind(tiny_server):
+    """Each request takes a prompt step, then a decode step a further token. The engine's figures
+    reach the router with its next stats (idle: a heartbeat a quarter of a second later)."""
+    before = step_counts(tiny_server.url)
+    decodes = 0
+    for _ in range(2):
+        response = httpx.post(
+            f"{tiny_server.url}/generate",
+            json={"inputs": "Steps of a request. " * 3, "parameters": {"max_new_tokens": 4, "details": True}},
+            headers=tiny_server.headers,
+            timeout=30,
+        )
+        assert response.status_code == 200
+        decodes += response.json()["details"]["generated_tokens"] - 1  # the first comes from the prompt step
+    deadline = time.monotonic() + 5
+    while True:
+        after = step_counts(tiny_server.url)
+        grown = {method: after[method] - before.get(method, 0) for method in after}
+        if grown["prefill"] >= 2 and grown["decode"] >= decodes or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert grown["prefill"] >= 2 and grown["decode"] >= decodes, (grown, decodes)
 
 
 def test_time_to_first_token_splits_into_queue_and_prefill(tiny_server):

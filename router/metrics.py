@@ -7,13 +7,21 @@ between scrapes. Each app gets its own registry (tests build several apps in one
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tgserve.server.outputs import EngineStats
+from tgserve.server.outputs import STEP_BUCKETS, EngineStats, StepDurations
 
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 LATENCY_BUCKETS = (
@@ -35,6 +43,17 @@ LATENCY_BUCKETS = (
     5.0,
 )
 TOKEN_BUCKETS = tuple(float(2**i) for i in range(15))  # 1 .. 16384
+
+# TGI's counters carry no `_total` (its Rust exporter adds none), and dashboards and alerts written
+# for TGI query them so: `rate(tgi_request_success[5m])`. prometheus_client appends `_total` to every
+# counter, so the rendered text takes it off these; tgserve's own counters keep the convention.
+TGI_COUNTERS = (
+    "tgi_request_count",
+    "tgi_request_success",
+    "tgi_request_failure",
+    "tgi_batch_inference_count",
+)
+TGI_COUNTER_SUFFIX = re.compile(rf"\b({'|'.join(TGI_COUNTERS)})_total\b")
 
 StatsSource = Callable[[], tuple[EngineStats | None, int]]  # (latest stats, block size)
 
@@ -78,6 +97,24 @@ class EngineStatsCollector(Collector):
             "tgserve_prefix_cache_hits", "Prompt tokens found in the prefix cache", stats.prefix_cache_hits
         )
         yield _gauge("tgserve_prefix_cache_hit_rate", "Prefix-cache hits / queries since start", hit_rate)
+        yield from _step_metrics(stats.step_durations)
+
+
+def _step_metrics(durations: list[StepDurations]) -> Iterator[Metric]:
+    """TGI's batch metrics, by method (prefill, decode), from the engine's own step timings."""
+    histogram = HistogramMetricFamily(
+        "tgi_batch_inference_duration", "Duration of one engine step (s)", labels=["method"]
+    )
+    count = CounterMetricFamily("tgi_batch_inference_count", "Engine steps", labels=["method"])
+    for steps in durations:
+        cumulative, buckets = 0, []
+        for bound, n in zip((*STEP_BUCKETS, float("inf")), steps.bucket_counts, strict=True):
+            cumulative += n
+            buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+        histogram.add_metric([steps.method], buckets, sum_value=steps.sum_s)
+        count.add_metric([steps.method], steps.count)
+    yield histogram
+    yield count
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
@@ -92,6 +129,9 @@ class RouterMetrics:
     """Every metric the router exposes, in one registry."""
 
     def __init__(self, stats_source: StatsSource):
+        # No `_created` series: TGI has none, and they add a line to every counter and histogram.
+        # (A process-wide switch of prometheus_client; the router process has only these metrics.)
+        disable_created_metrics()
         self.registry = CollectorRegistry()
         r = self.registry
         self.request_count = Counter("tgi_request_count", "Generation requests received", registry=r)
@@ -151,8 +191,8 @@ class RouterMetrics:
         r.register(EngineStatsCollector(stats_source))
 
     def render(self) -> bytes:
-        """The text exposition format."""
-        return generate_latest(self.registry)
+        """The text exposition format, with TGI's counters under TGI's own names."""
+        return TGI_COUNTER_SUFFIX.sub(r"\1", generate_latest(self.registry).decode()).encode()
 
 
 def _histogram(

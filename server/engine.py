@@ -8,6 +8,7 @@ loop, so it cannot stop the engine from serving the others.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,7 @@ from tgserve.server.runner import LaunchedStep, RunnerOutput
 from tgserve.server.sampling_params import InvalidRequestError, SamplingParams, check_prompt_tokens
 from tgserve.server.shard_workers import WorkerWatch, free_tcp_address, shard_device, start_workers
 from tgserve.server.static_shapes.buckets import BucketConfig
+from tgserve.server.step_timing import StepClock, step_kind
 
 logger = logging.getLogger(__name__)
 
@@ -165,10 +167,11 @@ class LLMEngine:
             )
         )
         self._last_step = (0, 0)
+        self.step_clock = StepClock()  # step durations since start (or the last reset_counters)
         self.async_scheduling = (
             self.device.type == "cuda" if args.async_scheduling is None else args.async_scheduling
         )
-        self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
+        self._in_flight: tuple[SchedulerOutput, LaunchedStep, float] | None = None
         # Prompt log-probabilities gathered over a request's prefill chunks, sent with its first token.
         self._prompt_logprobs: dict[str, list[TokenLogprob]] = {}
         warm = self.device.type == "cuda" if args.warm_up is None else args.warm_up
@@ -264,22 +267,26 @@ class LLMEngine:
         With async scheduling the outputs reported are the previous step's: this step was scheduled
         and queued on the device before they were read, so the device never waits for the host.
         """
+        started = time.monotonic()
         scheduler_output = self.scheduler.schedule()
         self.tp.broadcast_object(scheduler_output)  # to the other shards, if any
-        launched = (scheduler_output, self.runner.launch(scheduler_output))
+        launched = (scheduler_output, self.runner.launch(scheduler_output), started)
         if not self.async_scheduling:
             return self._apply(*launched)
         previous = self._in_flight
         self._in_flight = None if scheduler_output.is_empty else launched
         return self._apply(*previous) if previous is not None else []
 
-    def _apply(self, scheduler_output: SchedulerOutput, launched: LaunchedStep) -> list[RequestOutput]:
+    def _apply(
+        self, scheduler_output: SchedulerOutput, launched: LaunchedStep, started: float
+    ) -> list[RequestOutput]:
         """Read a launched step's tokens and hand them to the scheduler."""
         runner_output = self.runner.collect(launched)
-        self._last_step = (
-            scheduler_output.total_num_scheduled_tokens,
-            len(scheduler_output.num_scheduled_tokens),
-        )
+        tokens, seqs = scheduler_output.total_num_scheduled_tokens, len(scheduler_output.num_scheduled_tokens)
+        self._last_step = (tokens, seqs)
+        if seqs:
+            kind = step_kind(len(scheduler_output.scheduled_new_requests), tokens, seqs)
+            self.step_clock.record(time.monotonic() - started, kind)
         updated = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
         self._collect_prompt_logprobs(runner_output)
         return [self._output(request, runner_output) for request in updated]
@@ -318,11 +325,19 @@ class LLMEngine:
         metrics count only what clients asked)."""
         self.scheduler.reset_counters()
         self._last_step = (0, 0)
+        self.step_clock = StepClock()
 
     def stats(self) -> EngineStats:
         stats = self.scheduler.stats()
         tokens, seqs = self._last_step
-        return EngineStats(**{**stats.__dict__, "step_num_tokens": tokens, "step_num_seqs": seqs})
+        return EngineStats(
+            **{
+                **stats.__dict__,
+                "step_num_tokens": tokens,
+                "step_num_seqs": seqs,
+                "step_durations": self.step_clock.snapshot(),
+            }
+        )
 
 
 def create_engine(args: EngineArgs) -> Any:

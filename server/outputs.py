@@ -37,6 +37,27 @@ class RequestOutput:
     scheduled_at: float | None = None
 
 
+# Upper bounds (s) of the step-duration histograms: a decode step of a small model on a GPU takes
+# milliseconds, a whole 128K-token prompt seconds.
+STEP_BUCKETS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class StepDurations:
+    """Every engine step of one kind since start: counts per STEP_BUCKETS bound (not cumulative; the
+    last entry counts steps over the largest bound), and the sum of their durations."""
+
+    method: str  # "prefill": the step computed prompt tokens; "decode": only generated ones
+    bucket_counts: list[int]
+    sum_s: float
+
+    @property
+    def count(self) -> int:
+        return sum(self.bucket_counts)
+
+
 @dataclass(frozen=True)
 class EngineStats:
     """A snapshot for metrics: queue sizes, KV usage and counters since start."""
@@ -50,6 +71,7 @@ class EngineStats:
     prefix_cache_hits: int  # prompt tokens found there
     step_num_tokens: int = 0  # tokens computed in the last step
     step_num_seqs: int = 0  # requests in the last step
+    step_durations: list[StepDurations] = field(default_factory=list)  # added by the engine process
 
     @property
     def kv_cache_usage(self) -> float:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tgserve.router.metrics import RouterMetrics
 from tgserve.server.outputs import EngineStats
+from tgserve.server.step_timing import StepClock
 
 TGI_NAMES = {
     "tgi_request_count",
@@ -21,6 +23,8 @@ TGI_NAMES = {
     "tgi_batch_current_size",
     "tgi_batch_current_max_tokens",
     "tgi_queue_size",
+    "tgi_batch_inference_duration",
+    "tgi_batch_inference_count",
 }
 OWN_NAMES = {
     "tgserve_time_to_first_token_seconds",
@@ -69,3 +73,43 @@ def test_failures_are_labelled():
     family = families(metrics)["tgi_request_failure"]
     labels = {s.labels["err"]: s.value for s in family.samples if s.name.endswith("_total")}  # type: ignore
     assert labels == {"validation": 1.0}
+
+
+def test_tgi_counters_are_exposed_under_tgi_names():
+    """As TGI's exporter writes them, without `_total`, which queries written for TGI expect; no
+    `_created` series; tgserve's own counters keep the `_total` convention."""
+    metrics = RouterMetrics(lambda: (None, 16))
+    metrics.request_count.inc()
+    metrics.request_success.inc()
+    metrics.request_failure.labels(err="validation").inc()
+    lines = metrics.render().decode().splitlines()
+    for line in (
+        "# TYPE tgi_request_count counter",
+        "tgi_request_count 1.0",
+        "tgi_request_success 1.0",
+        'tgi_request_failure{err="validation"} 1.0',
+        "# TYPE tgi_batch_inference_count counter",
+        "tgserve_preemptions_total 0.0",
+    ):
+        assert line in lines
+    assert not [line for line in lines if "tgi_" in line and "_total" in line]
+    assert not [line for line in lines if "_created" in line]
+
+
+def test_step_durations_are_tgi_batch_histograms():
+    clock = StepClock()
+    for seconds, kind in ((0.3, "prefill"), (0.004, "decode"), (0.006, "decode"), (100.0, "decode")):
+        clock.record(seconds, kind)
+    stats = EngineStats(0, 0, 10, 10, 0, 0, 0, step_durations=clock.snapshot())
+    family = families(RouterMetrics(lambda: (stats, 16)))["tgi_batch_inference_duration"]
+    values = {(s.name, s.labels["method"], s.labels.get("le")): s.value for s in family.samples}  # type: ignore
+    assert values[("tgi_batch_inference_duration_bucket", "decode", "0.005")] == 1
+    assert values[("tgi_batch_inference_duration_bucket", "decode", "0.01")] == 2
+    assert values[("tgi_batch_inference_duration_bucket", "decode", "30.0")] == 2
+    assert values[("tgi_batch_inference_duration_bucket", "decode", "+Inf")] == 3
+    assert values[("tgi_batch_inference_duration_count", "decode", None)] == 3
+    assert values[("tgi_batch_inference_duration_sum", "decode", None)] == pytest.approx(100.01)
+    assert values[("tgi_batch_inference_duration_bucket", "prefill", "0.25")] == 0
+    assert values[("tgi_batch_inference_duration_bucket", "prefill", "0.5")] == 1
+    counts = families(RouterMetrics(lambda: (stats, 16)))["tgi_batch_inference_count"]
+    assert {s.labels["method"]: s.value for s in counts.samples} == {"prefill": 1, "decode": 3}  # type: ignore

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections import deque
 from collections.abc import Iterable
 
@@ -34,6 +35,7 @@ from tgserve.server.models.registry import architecture_name, check_supported
 from tgserve.server.outputs import EngineStats, RequestOutput, TokenLogprob
 from tgserve.server.sampler import Sampler
 from tgserve.server.sampling_params import InvalidRequestError, SamplingParams
+from tgserve.server.step_timing import StepClock, step_kind
 
 from .cache_layouts import layout_for_config
 from .fallback_model import load_fallback_model
@@ -79,6 +81,7 @@ class StaticBatchEngine:
         self.waiting: deque[Request] = deque()
         self._requests: dict[str, Request] = {}  # unfinished ones, waiting or running
         self._last_step = (0, 0)
+        self.step_clock = StepClock()
         logger.info(
             "static-batch engine ready: %s, %d rows of %d positions (%s layout), prompts padded to %s",
             self.source.display_name,
@@ -129,6 +132,7 @@ class StaticBatchEngine:
     def step(self) -> list[RequestOutput]:
         """Decode every occupied row once, free finished rows, prefill waiting requests into free rows;
         report every request that gained a token."""
+        started = time.monotonic()
         self.batch.retire(_is_finished)  # aborted or stopped downstream since the last step
         decoded = len(self.batch.running)
         outputs = self._decode() if decoded else []
@@ -136,6 +140,9 @@ class StaticBatchEngine:
         admitted = self._admit()
         prompt_tokens = sum(output.num_prompt_tokens for output in admitted)
         self._last_step = (decoded + prompt_tokens, decoded + len(admitted))
+        if decoded or admitted:
+            kind = step_kind(len(admitted), *self._last_step)
+            self.step_clock.record(time.monotonic() - started, kind)
         return outputs + admitted
 
     def _decode(self) -> list[RequestOutput]:
@@ -195,6 +202,7 @@ class StaticBatchEngine:
             prefix_cache_hits=0,
             step_num_tokens=tokens,
             step_num_seqs=seqs,
+            step_durations=self.step_clock.snapshot(),
         )
 
 

@@ -147,6 +147,13 @@ def test_outputs_say_when_their_request_was_first_scheduled(runs) -> None:
             assert got.added_at <= min(got.scheduled_at) <= time.monotonic(), request_id
 
 
+def test_steps_are_timed_by_kind(runs) -> None:
+    """The workload's prompts (chunked, and resumed after preemption) and its decode steps."""
+    steps = {d.method: d for d in runs[2].stats().step_durations}
+    assert steps["prefill"].count >= len(PROMPTS) and steps["decode"].count >= 10
+    assert steps["prefill"].sum_s > 0 and steps["decode"].sum_s > 0
+
+
 def test_logprobs_and_prompt_logprobs_are_the_same(runs) -> None:
     synchronous, overlapped, _ = runs
     for request_id in ("r4", "r5"):

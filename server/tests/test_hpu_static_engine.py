@@ -205,6 +205,10 @@ def test_staggered_requests_each_get_what_they_get_alone(arch: str) -> None:
         3,
         3,
     )
+    # Every step that decoded or admitted was timed: those are the steps that reported tokens.
+    steps = {d.method: d.count for d in stats.step_durations}
+    assert steps["prefill"] >= 4 and steps["decode"] >= 4
+    assert sum(steps.values()) == len(set().union(*(tracked.steps for tracked in seen.values())))
 
 
 def test_without_warmup_the_shape_log_counts_the_shapes_served() -> None:

@@ -22,6 +22,7 @@ from tgserve.server.core.request import FinishReason, Request, RequestStatus
 from tgserve.server.core.scheduler import Scheduler
 from tgserve.server.core.scheduler_output import SchedulerOutput
 from tgserve.server.sampling_params import SamplingParams
+from tgserve.server.step_timing import step_kind
 
 Model = Callable[[list[int]], int]
 
@@ -584,3 +585,9 @@ def test_random_load_with_shared_prefixes_preemptions_and_aborts(whole_prompt_to
         if request.request_id not in aborted:
             assert request.output_token_ids == expected[request.request_id]
     assert sched.block_manager.num_free_blocks == 16
+
+
+def test_step_kinds() -> None:
+    assert step_kind(new_requests=1, num_tokens=1, num_seqs=1) == "prefill"  # a one-token prompt
+    assert step_kind(new_requests=0, num_tokens=40, num_seqs=3) == "prefill"  # a prompt's next chunk
+    assert step_kind(new_requests=0, num_tokens=3, num_seqs=3) == "decode"
