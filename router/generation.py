@@ -317,6 +317,7 @@ class Generator:
             raise
         for spec in specs:
             self.metrics.input_length.observe(spec.num_prompt_tokens)
+            self.metrics.max_new_tokens.observe(spec.params[0].max_new_tokens)
         self.metrics.validation_duration.observe(validation_s)
         return generation
 

@@ -167,6 +167,9 @@ class RouterMetrics:
         self.generated_tokens = _histogram(
             "tgi_request_generated_tokens", "Generated tokens per request", r, TOKEN_BUCKETS
         )
+        self.max_new_tokens = _histogram(
+            "tgi_request_max_new_tokens", "Most new tokens a request may generate", r, TOKEN_BUCKETS
+        )
         self.input_length = _histogram(
             "tgi_request_input_length", "Prompt tokens per request", r, TOKEN_BUCKETS
         )

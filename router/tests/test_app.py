@@ -92,6 +92,8 @@ async def test_tgi_generate_reports_its_durations_in_headers(tokenizer_dir, toke
     assert int(recorded["mean_time_per_token"] * 1000) == per_token
     recorded_total = state.metrics.registry.get_sample_value("tgi_request_duration_sum")
     recorded_validation = state.metrics.registry.get_sample_value("tgi_request_validation_duration_sum")
+    asked = state.metrics.registry.get_sample_value("tgi_request_max_new_tokens_sum")
+    assert asked == client.submitted[0][2].max_new_tokens
     prefill = state.metrics.registry.get_sample_value("tgserve_request_prefill_seconds_sum")
     assert 0.009 <= prefill <= inference / 1000, "the first token comes a tick after the schedule"
     logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("success:")]

@@ -20,6 +20,7 @@ TGI_NAMES = {
     "tgi_request_mean_time_per_token_duration",
     "tgi_request_generated_tokens",
     "tgi_request_input_length",
+    "tgi_request_max_new_tokens",
     "tgi_batch_current_size",
     "tgi_batch_current_max_tokens",
     "tgi_queue_size",
