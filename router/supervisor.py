@@ -187,7 +187,7 @@ async def _serve_on(
         ready = await wait_for_engine(client, process, args.model_id or "the default model")
         await renderer
         state = build_state(args, config, client, ready)
-    except (RuntimeError, ValueError, OSError) as exc:
+    except (RuntimeError, ValueError, OSError, ImportError) as exc:
         logger.error("%s", exc)
         await stop_engine(client, process, timeout_s=2.0)
         return 1
