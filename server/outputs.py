@@ -49,7 +49,7 @@ class StepDurations:
     """Every engine step of one kind since start: counts per STEP_BUCKETS bound (not cumulative; the
     last entry counts steps over the largest bound), and the sum of their durations."""
 
-    method: str  # "prefill": the step computed prompt tokens; "decode": only generated ones
+    method: str  # "prefill": it started a request or computed a prompt chunk; else "decode"
     bucket_counts: list[int]
     sum_s: float
 
@@ -71,7 +71,7 @@ class EngineStats:
     prefix_cache_hits: int  # prompt tokens found there
     step_num_tokens: int = 0  # tokens computed in the last step
     step_num_seqs: int = 0  # requests in the last step
-    step_durations: list[StepDurations] = field(default_factory=list)  # added by the engine process
+    step_durations: list[StepDurations] = field(default_factory=list)  # by kind (step_timing.StepClock)
 
     @property
     def kv_cache_usage(self) -> float:
