@@ -260,12 +260,10 @@ class Generation:
         metrics.inference_duration.observe(self.timings.inference)
         if generated:
             metrics.mean_time_per_token.observe(self.timings.per_token)
-        self._log_success(generated)
+        self._log_success(self.timings, generated)
 
-    def _log_success(self, generated: int) -> None:
+    def _log_success(self, timings: Timings, generated: int) -> None:
         """One line a request, as TGI logs it: sizes, durations and how it ended (never the text)."""
-        timings = self.timings
-        assert timings is not None
         finishes = sorted({state.finish_reason or "" for state in self.states.values()})
         logger.info(
             "success: prompt_tokens=%d generated_tokens=%d total_time=%.3fs validation_time=%.1fms "

@@ -20,6 +20,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from tgserve.server.outputs import STEP_BUCKETS, EngineStats, StepDurations
 
@@ -110,7 +111,7 @@ def _step_metrics(durations: list[StepDurations]) -> Iterator[Metric]:
         cumulative, buckets = 0, []
         for bound, n in zip((*STEP_BUCKETS, float("inf")), steps.bucket_counts, strict=True):
             cumulative += n
-            buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+            buckets.append((floatToGoString(bound), cumulative))
         histogram.add_metric([steps.method], buckets, sum_value=steps.sum_s)
         count.add_metric([steps.method], steps.count)
     yield histogram

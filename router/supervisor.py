@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib
 import logging
 import os
 import signal
@@ -32,7 +31,7 @@ from tgserve.router.engine_client import EngineClient
 from tgserve.router.generation import Admission, Generator
 from tgserve.router.metrics import RouterMetrics
 from tgserve.router.state import RouterState
-from tgserve.router.tokenization import CHAT_RENDERER, RouterTokenizer
+from tgserve.router.tokenization import RouterTokenizer, chat_renderer
 from tgserve.server.engine_service import EngineServiceConfig
 
 logger = logging.getLogger("tgserve.launcher")
@@ -182,7 +181,7 @@ async def _serve_on(
     client = EngineClient(ipc_dir)
     process = start_engine(args, client, ipc_dir)
     # The chat renderer's import takes most of a second: done while the engine loads.
-    renderer = asyncio.create_task(asyncio.to_thread(importlib.import_module, CHAT_RENDERER))
+    renderer = asyncio.create_task(asyncio.to_thread(chat_renderer))
     try:
         ready = await wait_for_engine(client, process, args.model_id or "the default model")
         await renderer

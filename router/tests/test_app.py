@@ -30,9 +30,13 @@ def fake_app(tokenizer_dir, tokenizer, config=None, tick_s=0.001):
     return client, state, create_app(state)
 
 
+def http_client(app) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+
+
 def build(tokenizer_dir, tokenizer, config=None, tick_s=0.001):
     client, _, app = fake_app(tokenizer_dir, tokenizer, config, tick_s)
-    return client, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+    return client, http_client(app)
 
 
 def events(body: str) -> list[object]:
@@ -61,13 +65,13 @@ async def test_tgi_generate_with_details(tokenizer_dir, tokenizer):
 
 async def test_tgi_generate_reports_its_durations_in_headers(tokenizer_dir, tokenizer, monkeypatch, caplog):
     """TGI's x-* headers and log line: sizes, and durations equal to what the request metrics
-    recorded. The fake
-    engine schedules a request 30 ms after it arrives, then gives it a token every 10 ms."""
+    recorded. The fake engine schedules a request 30 ms after it arrives, then gives it a token
+    every 10 ms."""
     monkeypatch.setenv("COMPUTE_TYPE", "gpu+optimized")
     caplog.set_level(logging.INFO, logger="tgserve.router")
     client, state, app = fake_app(tokenizer_dir, tokenizer, tick_s=0.01)
     client.queue_s = 0.03
-    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+    http = http_client(app)
     response = await http.post("/generate", json={"inputs": "Q: France?", "parameters": {"details": True}})
     assert response.status_code == 200, response.text
     headers = response.headers

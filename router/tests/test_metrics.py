@@ -102,7 +102,8 @@ def test_step_durations_are_tgi_batch_histograms():
     for seconds, kind in ((0.3, "prefill"), (0.004, "decode"), (0.006, "decode"), (100.0, "decode")):
         clock.record(seconds, kind)
     stats = EngineStats(0, 0, 10, 10, 0, 0, 0, step_durations=clock.snapshot())
-    family = families(RouterMetrics(lambda: (stats, 16)))["tgi_batch_inference_duration"]
+    exposed = families(RouterMetrics(lambda: (stats, 16)))
+    family = exposed["tgi_batch_inference_duration"]
     values = {(s.name, s.labels["method"], s.labels.get("le")): s.value for s in family.samples}  # type: ignore
     assert values[("tgi_batch_inference_duration_bucket", "decode", "0.005")] == 1
     assert values[("tgi_batch_inference_duration_bucket", "decode", "0.01")] == 2
@@ -112,5 +113,5 @@ def test_step_durations_are_tgi_batch_histograms():
     assert values[("tgi_batch_inference_duration_sum", "decode", None)] == pytest.approx(100.01)
     assert values[("tgi_batch_inference_duration_bucket", "prefill", "0.25")] == 0
     assert values[("tgi_batch_inference_duration_bucket", "prefill", "0.5")] == 1
-    counts = families(RouterMetrics(lambda: (stats, 16)))["tgi_batch_inference_count"]
+    counts = exposed["tgi_batch_inference_count"]
     assert {s.labels["method"]: s.value for s in counts.samples} == {"prefill": 1, "decode": 3}  # type: ignore
