@@ -153,6 +153,7 @@ def engine_section(args: argparse.Namespace, model_dir: Path) -> dict[str, float
             gpu_memory_utilization=args.gpu_memory_utilization,
             cuda_graphs=not args.eager,
             async_scheduling=not args.no_async_scheduling,
+            quantize=args.quantize,
         )
     )
     vocab = engine.vocab_size
@@ -202,6 +203,7 @@ def long_prompt_section(args: argparse.Namespace, model_dir: Path) -> dict[str, 
             gpu_memory_utilization=args.gpu_memory_utilization,
             cuda_graphs=False,
             enable_prefix_caching=False,  # each run computes its whole prompt
+            quantize=args.quantize,
         )
     )
     backend = engine.runner.backend
@@ -256,7 +258,7 @@ def report(results: dict[str, float], args: argparse.Namespace) -> str:
         f"- date: {datetime.date.today()}",
         f"- commit: {_commit()}",
         f"- device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}",
-        f"- layers: {args.layers}, CUDA graphs: {not args.eager}, async scheduling: "
+        f"- layers: {args.layers}, quantize: {args.quantize}, CUDA graphs: {not args.eager}, async scheduling: "
         f"{not args.no_async_scheduling}, prefill budget {args.prefill_tokens} tokens",
         "",
         "| measure | engine | baseline (generate, same run) | target |",
@@ -300,6 +302,7 @@ def main() -> None:
     )
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--quantize", choices=["fp8"], help="the engine's projections in fp8")
     parser.add_argument(
         "--no-async-scheduling", action="store_true", help="wait for each step's tokens before the next"
     )

@@ -9,7 +9,8 @@ TRITON_INTERPRET before the first @triton.jit, stays unaffected).
     fresh_prefill     prompts with no cached prefix: dense (library kernel) or sparse when long
     rms_norm, fused_add_rms_norm, rotary, silu_and_mul
                       a decoder layer's elementwise glue, one fused kernel each on CUDA
-    linear            a projection: cuBLAS, or for one row and a small weight the skinny kernel
+    linear            a projection: cuBLAS, or for one row and a small weight the skinny kernel;
+                      fp8 weights (--quantize fp8) through fp8.fp8_linear
     argmax            greedy decoding's pick per row (two short launches instead of torch's one
                       block per row)
 """
@@ -297,8 +298,18 @@ def takes_skinny_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T + bias, as F.linear."""
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    weight_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T + bias, as F.linear; with weight_scale ([N, 1] float32), weight is
+    fp8 and the product runs in fp8 (kernels/fp8.py)."""
+    if weight_scale is not None:
+        from tgserve.kernels.fp8 import fp8_linear
+
+        return fp8_linear(x, weight, weight_scale, bias)
     if use_triton(x) and takes_skinny_path(x, weight):
         from tgserve.kernels.gemv import skinny_linear
 

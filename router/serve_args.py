@@ -52,6 +52,12 @@ FLAGS: tuple[Flag, ...] = (
     Flag("revision", str, None, "Hub revision (branch, tag or commit) of the model"),
     Flag("dtype", str, "auto", "Weights and activations dtype: auto, float32, float16, bfloat16"),
     Flag("device", str, "auto", "auto, cpu, cuda or hpu"),
+    Flag(
+        "quantize",
+        str,
+        None,
+        "Quantize the weights at load: fp8 (CUDA GPUs of compute capability 8.9+, or the CPU; llama family)",
+    ),
     Flag("hostname", str, "0.0.0.0", "Address to listen on"),
     Flag("port", int, 3000, "Port to listen on"),
     Flag("num-shard", int, None, "Tensor-parallel shards (GPUs or HPUs)"),
@@ -205,6 +211,7 @@ def engine_args(args: argparse.Namespace) -> dict[str, Any]:
         "async_scheduling": args.async_scheduling,
         "static_shapes": args.static_shapes,
         "sparse_config": args.sparse_config,
+        "quantize": args.quantize,
         "warm_up": None if args.warmup_enabled else False,  # None: the engine decides (GPUs only)
     }
     result.update({key: value for key, value in optional.items() if value is not None})

@@ -35,6 +35,9 @@ def add_generate_command(subparsers: Any) -> None:
     p.add_argument("--stop", action="append", default=[], help="a stop string; repeat for several")
     p.add_argument("--dtype", default=_env("DTYPE", "auto"))
     p.add_argument("--device", default="auto")
+    p.add_argument(
+        "--quantize", default=_env("QUANTIZE"), help="fp8: projections stored and multiplied in fp8"
+    )
     p.add_argument("--trust-remote-code", action="store_true", default=_env("TRUST_REMOTE_CODE") == "true")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.set_defaults(handler=run_generate)
@@ -60,6 +63,7 @@ def run_generate(args: argparse.Namespace) -> int:
             revision=args.revision,
             dtype=args.dtype,
             device=args.device,
+            quantize=args.quantize,
             trust_remote_code=args.trust_remote_code,
         )
         prompts = [_chat(llm, p) for p in args.prompt] if args.chat else args.prompt

@@ -55,6 +55,7 @@ class EngineArgs:
     allow_pickle: bool = False
     force_transformers_fallback: bool = False
     load_format: str = "auto"  # "dummy": random weights from the config alone (benchmarks)
+    quantize: str | None = None  # "fp8": projections stored and multiplied in fp8 (server/quantization.py)
     tensor_parallel_size: int = 1  # --num-shard: shards of the model, one device each (llama family)
     # Schedule step N+1 while the device runs step N (None: on GPUs, where the host would otherwise
     # idle the device; on the CPU there is nothing to overlap).

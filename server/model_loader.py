@@ -13,6 +13,7 @@ from tgserve.server.errors import ModelLoadError
 from tgserve.server.hf_compat import dtype_kwargs
 from tgserve.server.loader import ModelSource, iter_safetensors, safetensors_files, verify_safetensors
 from tgserve.server.models.registry import architecture_name, check_supported, native_model_class
+from tgserve.server.quantization import check_checkpoint, check_quantize, quantize_model_fp8
 
 
 def load_model(
@@ -24,17 +25,21 @@ def load_model(
     allow_pickle: bool = False,
     force_fallback: bool = False,
     load_format: str = "auto",
+    quantize: str | None = None,
 ) -> nn.Module:
     """A module with `forward(input_ids [T], positions [T], logits_indices [N]) -> logits [N, vocab]`.
 
     load_format "dummy" skips the checkpoint and fills the weights with small random values (as
-    vLLM's dummy format does): a model of any size benchmarked from its config alone.
+    vLLM's dummy format does): a model of any size benchmarked from its config alone. quantize
+    "fp8": the projections' weights are stored and multiplied in fp8 (server/quantization.py).
     """
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     architecture = architecture_name(config)
     check_supported(architecture, trust_remote_code)
     native = None if force_fallback else native_model_class(architecture)
+    check_checkpoint(config, source.display_name)
+    check_quantize(quantize, device, native is not None, architecture)
     shards = tensor_parallel().world_size
     if shards > 1 and not getattr(native, "supports_tensor_parallel", False):
         raise ModelLoadError(
@@ -60,7 +65,13 @@ def load_model(
         _fill_dummy_weights(model)
     else:
         model.load_weights(_checkpoint_weights(source, config, device, allow_pickle))
-    return model.to(dtype).eval()
+    model = model.to(dtype).eval()
+    if quantize == "fp8":
+        try:
+            quantize_model_fp8(model)
+        except ValueError as exc:
+            raise ModelLoadError(f"cannot quantize {source.display_name} to fp8: {exc}") from exc
+    return model
 
 
 @torch.no_grad()

@@ -78,6 +78,7 @@ class ModelShard:
             args.allow_pickle,
             args.force_transformers_fallback,
             args.load_format,
+            args.quantize,
         )
         self.specs = kv_cache_specs(config, dtype, args.tensor_parallel_size)
         backend = attention_backend(device, self._sparse_config())

@@ -48,6 +48,9 @@ def test_engine_args_pass_only_what_is_set():
     assert engine["num_blocks"] == 63 and engine["max_num_seqs"] == 8
     assert "max_num_batched_tokens" not in engine and "tensor_parallel_size" not in engine
     assert serve_args.engine_args(parse(["--num-shard", "2"]))["tensor_parallel_size"] == 2
+    assert "quantize" not in engine
+    assert serve_args.engine_args(parse(["--quantize", "fp8"]))["quantize"] == "fp8"
+    assert serve_args.engine_args(parse([], {"QUANTIZE": "fp8"}))["quantize"] == "fp8"
 
 
 def test_router_config_from_flags():

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tgserve.kernels import dispatch
+from tgserve.kernels.fp8 import FP8_ALIGNMENT, quantize_rows
 from tgserve.server.distributed import TensorParallel, tensor_parallel
 
 
@@ -27,7 +28,28 @@ def _attach(param: nn.Parameter, loader: Callable[[nn.Parameter, torch.Tensor, i
     param.weight_loader = loader  # type: ignore[attr-defined]
 
 
-class ColumnParallelLinear(nn.Module):
+class QuantizableLinear(nn.Module):
+    """A projection whose weight `--quantize fp8` can turn into fp8 rows with a scale each."""
+
+    weight: nn.Parameter
+    weight_scale: torch.Tensor | None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("weight_scale", None)
+
+    def quantize_fp8_(self) -> None:
+        """The loaded weight becomes fp8 [N, K] with float32 scales [N, 1]; `forward` then runs in fp8."""
+        rows, cols = self.weight.shape
+        if rows % FP8_ALIGNMENT or cols % FP8_ALIGNMENT:
+            raise ValueError(
+                f"fp8 needs projection sizes in multiples of {FP8_ALIGNMENT}; this one is {rows} x {cols}"
+            )
+        weight, self.weight_scale = quantize_rows(self.weight.data)
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
+
+class ColumnParallelLinear(QuantizableLinear):
     """y = x W^T + b for this shard's slice of each output part (e.g. sizes [q, k, v])."""
 
     def __init__(self, in_features: int, part_sizes: list[int], bias: bool) -> None:
@@ -49,10 +71,10 @@ class ColumnParallelLinear(nn.Module):
         param.data[offset : offset + size].copy_(mine)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dispatch.linear(x, self.weight, self.bias)
+        return dispatch.linear(x, self.weight, self.bias, self.weight_scale)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(QuantizableLinear):
     """y = sum over shards of x_shard W_shard^T, plus b: x arrives split along its features."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
@@ -70,8 +92,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
-            return dispatch.linear(x, self.weight, self.bias)
-        out = self.tp.all_reduce(dispatch.linear(x, self.weight))
+            return dispatch.linear(x, self.weight, self.bias, self.weight_scale)
+        out = self.tp.all_reduce(dispatch.linear(x, self.weight, weight_scale=self.weight_scale))
         return out if self.bias is None else out + self.bias
 
 

@@ -162,3 +162,23 @@ def count_agreeing(picks: list[list[int]], tokens: list[list[int]]) -> int:
         for row_picks, row in zip(picks, tokens, strict=True)
         for a, b in zip(row_picks, row, strict=True)
     )
+
+
+def engine_forced_picks(
+    engine: LLMEngine, prompts: list[list[int]], tokens: list[list[int]]
+) -> list[list[int]]:
+    """The engine's own argmax at each of `tokens`' steps given the same prefix (teacher-forced): each
+    prompt and its tokens go in as one prompt, and the top-1 of its prompt log-probabilities at the
+    tokens' positions is read back. Measures one engine (e.g. quantized) against another's tokens."""
+    params = SamplingParams(max_new_tokens=1, prompt_logprobs=1)
+    for i, (prompt, row) in enumerate(zip(prompts, tokens, strict=True)):
+        engine.add_request(f"forced{i}", list(prompt) + list(row), params)
+    logprobs: dict[str, list] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.prompt_logprobs is not None:
+                logprobs[out.request_id] = out.prompt_logprobs
+    return [
+        [logprobs[f"forced{i}"][len(prompt) + step].top[0][0] for step in range(len(row))]
+        for i, (prompt, row) in enumerate(zip(prompts, tokens, strict=True))
+    ]

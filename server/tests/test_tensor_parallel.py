@@ -23,11 +23,11 @@ from tgserve.server.testing.fixtures import fixture_path
 NUM_TOKENS, NUM_PROMPTS = 31, 3  # fresh prompts of 11, 10 and 10 tokens in one flat batch
 
 
-def prompt_logits(path: str, world_size: int = 1) -> torch.Tensor:
+def prompt_logits(path: str, world_size: int = 1, quantize: str | None = None) -> torch.Tensor:
     """The last-position logits of each prompt, from this process's shard of the model."""
     source = resolve_model(path)
     config = load_config(source)
-    model = load_model(source, config, torch.float32, torch.device("cpu"))
+    model = load_model(source, config, torch.float32, torch.device("cpu"), quantize=quantize)
     attention = model.model.layers[0].self_attn
     assert attention.num_heads * world_size == config.num_attention_heads  # really a shard
     assert model.model.embed_tokens.weight.shape[0] == -(-config.vocab_size // world_size)
@@ -40,14 +40,14 @@ def prompt_logits(path: str, world_size: int = 1) -> torch.Tensor:
     return runner.forward(ids, positions, metadata, torch.tensor(metadata.query_start_loc_cpu[1:]) - 1)
 
 
-def _shard(rank: int, world_size: int, address: str, path: str, results) -> None:
+def _shard(rank: int, world_size: int, address: str, path: str, results, quantize: str | None = None) -> None:
     import torch.distributed as dist
 
     from tgserve.server.distributed import init_tensor_parallel, shutdown_tensor_parallel
     from tgserve.server.shard_workers import exit_without_teardown
 
     init_tensor_parallel(rank, world_size, address, backend="gloo")
-    results.put((rank, prompt_logits(path, world_size).numpy()))  # by value: the worker exits first
+    results.put((rank, prompt_logits(path, world_size, quantize).numpy()))  # by value: the worker exits first
     dist.barrier()  # neither rank leaves while the other may still be receiving from it
     shutdown_tensor_parallel()
     results.close()
@@ -55,22 +55,41 @@ def _shard(rank: int, world_size: int, address: str, path: str, results) -> None
     exit_without_teardown()  # as the engine's workers end (it says why)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_two_shards_compute_the_unsharded_logits(arch: str) -> None:
-    path = str(fixture_path(arch))
-    expected = prompt_logits(path)
+def sharded_logits(path: str, quantize: str | None = None) -> dict[int, torch.Tensor]:
+    """Each rank's logits from two shards in two processes."""
     context = mp.get_context("spawn")
     results = context.Queue()
     address = free_tcp_address()
-    workers = [context.Process(target=_shard, args=(r, 2, address, path, results)) for r in range(2)]
+    workers = [
+        context.Process(target=_shard, args=(r, 2, address, path, results, quantize)) for r in range(2)
+    ]
     for worker in workers:
         worker.start()
     got = dict(results.get(timeout=120) for _ in workers)
     for worker in workers:
         worker.join(timeout=30)
         assert worker.exitcode == 0
-    for rank in range(2):
-        torch.testing.assert_close(torch.from_numpy(got[rank]), expected, atol=1e-5, rtol=1e-5)
+    return {rank: torch.from_numpy(logits) for rank, logits in got.items()}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_two_shards_compute_the_unsharded_logits(arch: str) -> None:
+    path = str(fixture_path(arch))
+    expected = prompt_logits(path)
+    for logits in sharded_logits(path).values():
+        torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_two_fp8_shards_compute_close_to_one_fp8_model() -> None:
+    """A row-parallel shard scales its own half of each row (weights and activations), so fp8 shards
+    round differently from one fp8 model, at fp8's own scale: no closer to it than to the unquantized
+    model, and no further. (A shard whose product missed its scales would be off by orders.)"""
+    path = str(fixture_path("llama"))
+    plain, fp8 = prompt_logits(path), prompt_logits(path, quantize="fp8")
+    fp8_error = (fp8 - plain).abs().max()
+    for logits in sharded_logits(path, "fp8").values():
+        assert (logits - fp8).abs().max() <= 2 * fp8_error
+        assert (logits - plain).abs().max() <= 2 * fp8_error
 
 
 def test_heads_that_do_not_split_evenly_are_named() -> None:
