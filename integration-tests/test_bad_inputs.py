@@ -56,6 +56,24 @@ def test_bad_input_is_a_4xx_naming_the_problem(tiny_server, path, body, status, 
     assert needle in message_of(response)
 
 
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])
+@pytest.mark.parametrize("path", ["/generate", "/v1/chat/completions"])
+def test_a_body_not_sent_as_json_is_415(tiny_server, path, content_type):
+    """A browser posts text/plain and form bodies from any page without a CORS preflight: a JSON body
+    must say it is one (TGI and vLLM refuse the rest too)."""
+    body = b'{"inputs": "Hi", "messages": [{"role": "user", "content": "Hi"}]}'
+    headers = {**tiny_server.headers, **({"content-type": content_type} if content_type else {})}
+    response = httpx.post(f"{tiny_server.url}{path}", content=body, headers=headers, timeout=30)
+    assert response.status_code == 415, response.text
+    assert "Content-Type: application/json" in message_of(response)
+    charset = {**tiny_server.headers, "content-type": "application/json; charset=utf-8"}
+    body = b'{"inputs": "Hi", "parameters": {"max_new_tokens": 1}}'
+    assert (
+        httpx.post(f"{tiny_server.url}/generate", content=body, headers=charset, timeout=30).status_code
+        == 200
+    )
+
+
 def test_50mb_body_is_413(tiny_server):
     body = b'{"inputs": "' + b"a" * (50 << 20) + b'"}'
     headers = {**tiny_server.headers, "content-type": "application/json"}

@@ -47,7 +47,8 @@ def test_metrics_parse_and_carry_every_name(tiny_server):
             timeout=30,
         )
         assert response.status_code == 200
-    httpx.post(f"{tiny_server.url}/generate", content=b"{", headers=tiny_server.headers, timeout=30)
+    headers = {**tiny_server.headers, "content-type": "application/json"}
+    httpx.post(f"{tiny_server.url}/generate", content=b"{", headers=headers, timeout=30)
     text = httpx.get(f"{tiny_server.url}/metrics", timeout=10).text  # open without the API key
     families = {family.name: family for family in text_string_to_metric_families(text)}
     assert EXPECTED <= set(families)

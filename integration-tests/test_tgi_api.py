@@ -26,7 +26,8 @@ def test_streaming_with_details(client):
     assert last.details.generated_tokens == len(events)
     whole = client.text_generation("Hello!", max_new_tokens=10)
     assert last.generated_text == whole
-    assert "".join(e.token.text for e in events if not e.token.special) == whole
+    # POST / (TGI's compat route, which the client calls) returns the prompt too by default.
+    assert "Hello!" + "".join(e.token.text for e in events if not e.token.special) == whole
 
 
 def test_best_of_and_top_n_tokens(client):
@@ -38,12 +39,15 @@ def test_best_of_and_top_n_tokens(client):
 
 
 def test_return_full_text_and_stop(client):
-    whole = client.text_generation("Water boils at", max_new_tokens=8)
-    full = client.text_generation("Water boils at", max_new_tokens=8, return_full_text=True)
+    whole = client.text_generation("Water boils at", max_new_tokens=8, return_full_text=False)
+    full = client.text_generation("Water boils at", max_new_tokens=8)  # TGI's POST / default
     assert full == "Water boils at" + whole
+    assert client.text_generation("Water boils at", max_new_tokens=8, return_full_text=True) == full
     if len(whole) > 3:
         stop = whole[2:4]
-        cut = client.text_generation("Water boils at", max_new_tokens=8, stop=[stop], details=True)
+        cut = client.text_generation(
+            "Water boils at", max_new_tokens=8, stop=[stop], details=True, return_full_text=False
+        )
         assert cut.generated_text == whole[: whole.index(stop) + len(stop)]  # TGI keeps the stop sequence
         assert cut.details.finish_reason == "stop_sequence"
 

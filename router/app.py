@@ -8,11 +8,14 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import tgserve
 from tgserve.router import openai_routes, service_routes, tgi_routes
 from tgserve.router.errors import (
+    MethodNotAllowedError,
+    NotFoundError,
     PayloadTooLargeError,
     RouterError,
     UnauthorizedError,
@@ -90,6 +93,18 @@ async def router_error_handler(request: Request, exc: Exception) -> Response:
     return exc.response(openai=is_openai_path(request.url.path))
 
 
+async def unrouted_handler(request: Request, exc: Exception) -> Response:
+    """An unknown route or method, in its API's error shape rather than FastAPI's `{"detail": ...}`."""
+    assert isinstance(exc, StarletteHTTPException)
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    error_class = {404: NotFoundError, 405: MethodNotAllowedError}.get(exc.status_code)
+    if error_class is None:
+        return JSONResponse({"error": message}, status_code=exc.status_code, headers=exc.headers)
+    response = error_class(message).response(openai=is_openai_path(request.url.path))
+    response.headers.update(exc.headers or {})  # 405 names the allowed methods
+    return response
+
+
 async def disconnected_handler(request: Request, exc: Exception) -> Response:
     return Response(status_code=499)  # nginx's "client closed request": nobody reads it
 
@@ -109,6 +124,7 @@ def create_app(state: RouterState) -> FastAPI:
     app.include_router(openai_routes.router)
     app.include_router(service_routes.router)
     app.add_exception_handler(RouterError, router_error_handler)
+    app.add_exception_handler(StarletteHTTPException, unrouted_handler)
     app.add_exception_handler(ClientDisconnected, disconnected_handler)
     app.add_exception_handler(Exception, unexpected_error_handler)
     if state.config.cors_allow_origin:

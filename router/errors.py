@@ -15,7 +15,9 @@ _KINDS: dict[str, tuple[int, int, str]] = {
     "validation": (422, 400, "invalid_request_error"),
     "unauthorized": (401, 401, "authentication_error"),
     "not_found": (404, 404, "not_found_error"),
+    "method_not_allowed": (405, 405, "invalid_request_error"),
     "payload_too_large": (413, 413, "invalid_request_error"),
+    "unsupported_media_type": (415, 415, "invalid_request_error"),
     "overloaded": (429, 429, "rate_limit_error"),
     "generation": (424, 500, "server_error"),
     "unavailable": (503, 503, "service_unavailable"),
@@ -62,8 +64,16 @@ class NotFoundError(RouterError):
     kind = "not_found"
 
 
+class MethodNotAllowedError(RouterError):
+    kind = "method_not_allowed"
+
+
 class PayloadTooLargeError(RouterError):
     kind = "payload_too_large"
+
+
+class UnsupportedMediaTypeError(RouterError):
+    kind = "unsupported_media_type"
 
 
 class OverloadedError(RouterError):

@@ -13,7 +13,7 @@ from fastapi import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from tgserve.router.errors import PayloadTooLargeError, ValidationError
+from tgserve.router.errors import PayloadTooLargeError, UnsupportedMediaTypeError, ValidationError
 
 ModelT = TypeVar("ModelT", bound=pydantic.BaseModel)
 T = TypeVar("T")
@@ -25,8 +25,20 @@ class ClientDisconnected(Exception):
     """The client closed the connection before its response was ready."""
 
 
+def check_json_content_type(request: Request) -> None:
+    """Bodies are JSON, and must say so, as TGI and vLLM require. Without this, a web page could post
+    to the server from a browser: a `text/plain` or form body needs no CORS preflight."""
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json" and not media_type.endswith("+json"):
+        sent = f"not {media_type}" if media_type else "and this request has no Content-Type"
+        raise UnsupportedMediaTypeError(
+            f"the request body must be JSON sent with Content-Type: application/json, {sent}"
+        )
+
+
 async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing more than `limit` bytes even without a Content-Length header."""
+    """The JSON request body, refusing more than `limit` bytes even without a Content-Length header."""
+    check_json_content_type(request)
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.stream():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tgserve.router.config import RouterConfig
 from tgserve.router.errors import ValidationError
@@ -14,16 +14,24 @@ from tgserve.router.validation import Knobs
 STRICT = ConfigDict(extra="ignore", strict=True)
 
 
-class StreamOptions(BaseModel):
+class OpenAIRequest(BaseModel):
+    """OpenAI's schema lets its optional fields be null, meaning "not given": clients that forward
+    optional arguments send `"n": null`, `"logprobs": null`. Such a field takes its default."""
+
     model_config = STRICT
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_not_given(cls, data: Any) -> Any:
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+class StreamOptions(OpenAIRequest):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(OpenAIRequest):
     """Fields shared by /v1/completions and /v1/chat/completions."""
-
-    model_config = STRICT
 
     model: str | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)

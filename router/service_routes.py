@@ -31,8 +31,9 @@ async def health(request: Request) -> Response:
 
 
 @router.get("/ping")
+@router.get("/")
 async def ping(request: Request) -> Response:
-    """SageMaker's liveness probe, answered like /health."""
+    """SageMaker's liveness probe and the Inference API's (GET /), answered like /health, as TGI does."""
     return await health(request)
 
 

@@ -13,7 +13,7 @@ from tgserve.router.errors import RouterError
 from tgserve.router.generation import Generation, SequenceState, TokenInfo, finite_or_none
 from tgserve.router.http import EventStreamResponse, parse_json, sse, until_disconnected
 from tgserve.router.state import RouterState, router_state, start_generation
-from tgserve.router.tgi_schemas import TGIRequest, tgi_knobs
+from tgserve.router.tgi_schemas import TGIRequest, tgi_knobs, wants_details
 from tgserve.router.validation import GenerationSpec, build_spec
 from tgserve.server.outputs import TokenLogprob
 
@@ -87,7 +87,7 @@ def generate_response(state: RouterState, request: TGIRequest, generation: Gener
     best = sequences[0]
     body: dict[str, Any] = {"generated_text": full_text(request, best)}
     params = request.parameters
-    if params.details:
+    if wants_details(params):
         prefill = (
             prefill_json(state, spec, generation.prompt_logprobs(0)) if params.decoder_input_details else []
         )
@@ -175,6 +175,11 @@ async def generate(request: Request, stream: bool | None) -> Response:
 
     def build(body: bytes) -> list[GenerationSpec]:
         tgi_request = parse_json(TGIRequest, body)
+        if stream is None and tgi_request.parameters.return_full_text is None:
+            # As TGI's POST / answers for text-generation models (the pipeline tag /info reports):
+            # the prompt and its continuation, which huggingface_hub's text_generation expects.
+            parameters = tgi_request.parameters.model_copy(update={"return_full_text": True})
+            tgi_request = tgi_request.model_copy(update={"parameters": parameters})
         parsed["request"] = tgi_request
         return [build_tgi_spec(state, tgi_request, tgi_request.stream if stream is None else stream)]
 

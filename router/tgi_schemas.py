@@ -65,6 +65,11 @@ def is_sampling(params: TGIParameters) -> bool:
     )
 
 
+def wants_details(params: TGIParameters) -> bool:
+    """TGI answers with details when asked for them or for the prompt's (decoder_input_details)."""
+    return params.details or params.decoder_input_details
+
+
 def check_tgi_rules(params: TGIParameters, config: RouterConfig, stream: bool) -> int:
     """TGI's checks beyond SamplingParams' ranges; returns best_of (1 when not given)."""
     if params.grammar is not None:
@@ -74,6 +79,17 @@ def check_tgi_rules(params: TGIParameters, config: RouterConfig, stream: bool) -
     if params.adapter_id is not None:
         raise ValidationError(
             "`adapter_id` (LoRA adapters) is not supported by this server", param="adapter_id"
+        )
+    if params.watermark:
+        raise ValidationError(
+            "`watermark` (TGI's green-list watermark) is not supported by this server: the text would come "
+            "back unmarked",
+            param="watermark",
+        )
+    if stream and params.decoder_input_details:
+        raise ValidationError(
+            "`decoder_input_details` == true is not supported when streaming tokens",
+            param="decoder_input_details",
         )
     if params.temperature is not None and params.temperature <= 0.0:
         raise ValidationError("`temperature` must be strictly positive", param="temperature")
@@ -103,7 +119,7 @@ def tgi_knobs(params: TGIParameters, config: RouterConfig, stream: bool) -> Knob
     """Translate TGI parameters; streams and details always carry log-probabilities, like TGI."""
     best_of = check_tgi_rules(params, config, stream)
     sampling = is_sampling(params)
-    wants_logprobs = stream or params.details or best_of > 1
+    wants_logprobs = stream or wants_details(params) or best_of > 1
     logprobs = params.top_n_tokens if params.top_n_tokens else (0 if wants_logprobs else None)
     return Knobs(
         max_new_tokens=params.max_new_tokens,

@@ -14,7 +14,9 @@ from tgserve.router.errors import ValidationError
 from tgserve.router.tokenization import RouterTokenizer
 from tgserve.server.sampling_params import InvalidRequestError, SamplingParams
 
-MAX_SEED = 2**63 - 1  # seeds go to torch generators, which take signed 64-bit values
+# Seeds are 64-bit: TGI takes unsigned ones, vLLM signed ones; both ranges are accepted and a
+# negative seed stands for its unsigned twin (the sampler derives its generators' seeds from 64 bits).
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
 
 
 @dataclass(frozen=True)
@@ -98,8 +100,10 @@ def sequence_seeds(knobs: Knobs) -> list[int | None]:
         return [None] * knobs.n
     if knobs.seed is None:
         return [random.randint(0, MAX_SEED) for _ in range(knobs.n)]
-    if not 0 <= knobs.seed <= MAX_SEED:
-        raise ValidationError(f"seed must be in [0, {MAX_SEED}], got {knobs.seed}", param="seed")
+    if not MIN_SEED <= knobs.seed <= MAX_SEED:
+        raise ValidationError(
+            f"seed must be a 64-bit integer, in [{MIN_SEED}, {MAX_SEED}]; got {knobs.seed}", param="seed"
+        )
     return [(knobs.seed + i) % (MAX_SEED + 1) for i in range(knobs.n)]
 
 

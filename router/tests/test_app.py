@@ -119,10 +119,16 @@ async def test_tgi_stream_and_compat_route(tokenizer_dir, tokenizer):
     assert response.headers["content-type"].startswith("text/event-stream")
     assert all(e["generated_text"] is None for e in stream[:-1])
     assert stream[-1]["generated_text"] == " The capital of France is Paris."
+    # TGI's POST / returns the prompt too unless told otherwise (a text-generation model's default).
     compat = await http.post("/", json={"inputs": "Q:", "parameters": {"max_new_tokens": 3}})
-    assert isinstance(compat.json(), list) and compat.json()[0]["generated_text"]
+    assert isinstance(compat.json(), list) and compat.json()[0]["generated_text"].startswith("Q: The")
     compat_stream = await http.post("/", json={"inputs": "Q:", "stream": True})
-    assert events(compat_stream.text)[-1]["generated_text"] == ANSWER
+    assert events(compat_stream.text)[-1]["generated_text"] == "Q:" + ANSWER
+    told = await http.post(
+        "/", json={"inputs": "Q:", "stream": True, "parameters": {"return_full_text": False}}
+    )
+    assert events(told.text)[-1]["generated_text"] == ANSWER
+    assert (await http.get("/")).status_code == 200  # TGI's GET / is a health check
 
 
 async def test_openai_completions_n_seed_and_stop(tokenizer_dir, tokenizer):
@@ -189,6 +195,70 @@ async def test_bad_inputs_are_4xx_naming_the_problem(tokenizer_dir, tokenizer, p
     error = response.json()["error"]
     message = error["message"] if isinstance(error, dict) else error
     assert needle in message
+
+
+async def test_bodies_not_sent_as_json_are_415_in_each_apis_shape(tokenizer_dir, tokenizer):
+    _, http = build(tokenizer_dir, tokenizer)
+    plain = {"content-type": "text/plain"}
+    tgi = await http.post("/generate", content=b'{"inputs": "Q:"}', headers=plain)
+    assert tgi.status_code == 415 and tgi.json()["error_type"] == "unsupported_media_type"
+    assert "not text/plain" in tgi.json()["error"]
+    chat = b'{"messages": [{"role": "user", "content": "Q"}]}'
+    openai = await http.post("/v1/chat/completions", content=chat)  # no Content-Type at all
+    assert openai.status_code == 415 and openai.json()["error"]["type"] == "invalid_request_error"
+    assert "this request has no Content-Type" in openai.json()["error"]["message"]
+    sent = {"content-type": "application/json; charset=utf-8"}
+    assert (await http.post("/v1/chat/completions", content=chat, headers=sent)).status_code == 200
+
+
+async def test_unknown_routes_and_methods_answer_in_each_apis_shape(tokenizer_dir, tokenizer):
+    _, http = build(tokenizer_dir, tokenizer)
+    missing = await http.post("/v1/embeddings", json={"input": "x"})
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+    assert "/v1/embeddings" in missing.json()["error"]["message"]
+    wrong = await http.get("/v1/completions")
+    assert wrong.status_code == 405 and wrong.json()["error"]["code"] == 405
+    assert wrong.headers["allow"] == "POST"
+    tgi = await http.get("/generate")
+    assert tgi.status_code == 405 and tgi.json()["error_type"] == "method_not_allowed"
+
+
+async def test_decoder_input_details_alone_brings_the_details(tokenizer_dir, tokenizer):
+    """As TGI: asking for the prompt's details is asking for details."""
+    _, http = build(tokenizer_dir, tokenizer)
+    body = {"inputs": "Q:", "parameters": {"decoder_input_details": True, "max_new_tokens": 2}}
+    response = await http.post("/generate", json=body)
+    assert response.status_code == 200, response.text
+    details = response.json()["details"]
+    assert details["prefill"] and details["prefill"][0]["logprob"] is None
+
+
+async def test_openai_nulls_mean_not_given(tokenizer_dir, tokenizer):
+    """The SDK sends null for an optional argument passed as None; OpenAI's schema allows it."""
+    _, http = build(tokenizer_dir, tokenizer)
+    nulls = {"n": None, "stream": None, "logprobs": None, "stream_options": None, "seed": None}
+    completion = await http.post(
+        "/v1/completions", json={"prompt": "Q:", "echo": None, "max_tokens": None, **nulls}
+    )
+    assert completion.status_code == 200, completion.text
+    assert len(completion.json()["choices"]) == 1
+    assert completion.json()["usage"]["completion_tokens"] == 16  # OpenAI's default for max_tokens
+    messages = [{"role": "user", "content": "Q"}]
+    chat = await http.post("/v1/chat/completions", json={"messages": messages, "top_logprobs": None, **nulls})
+    assert chat.status_code == 200, chat.text
+
+
+@pytest.mark.parametrize(("seed", "ok"), [(-1, True), (-(2**63), True), (2**64 - 1, True), (2**64, False)])
+async def test_seeds_take_the_signed_and_the_unsigned_64_bit_range(tokenizer_dir, tokenizer, seed, ok):
+    """vLLM takes signed 64-bit seeds and TGI unsigned ones; a random u64 must not fail half the time."""
+    client, http = build(tokenizer_dir, tokenizer)
+    body = {"prompt": "Q:", "seed": seed, "temperature": 1.0, "max_tokens": 2}
+    response = await http.post("/v1/completions", json=body)
+    assert (response.status_code == 200) == ok, response.text
+    if ok:
+        assert 0 <= client.submitted[0][2].seed < 2**64
+    else:
+        assert "64-bit" in response.json()["error"]["message"]
 
 
 async def test_engine_rejection_is_a_validation_error(tokenizer_dir, tokenizer):

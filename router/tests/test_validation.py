@@ -49,8 +49,9 @@ def test_seeds_are_derived_and_reproducible():
     assert sequence_seeds(Knobs(temperature=0.0, n=2)) == [None, None]
     drawn = sequence_seeds(Knobs(n=3))
     assert len(set(drawn)) == 3 and all(isinstance(s, int) for s in drawn)
-    with pytest.raises(ValidationError, match="seed"):
-        sequence_seeds(Knobs(seed=-1))
+    assert sequence_seeds(Knobs(seed=-1, n=2)) == [2**64 - 1, 0]  # a signed seed's unsigned twin
+    with pytest.raises(ValidationError, match="64-bit"):
+        sequence_seeds(Knobs(seed=2**64))
 
 
 def test_build_spec_checks_sampling_params_and_vocabulary(tokenizer):
@@ -87,6 +88,8 @@ def test_tgi_streams_and_details_carry_logprobs():
         (TGIParameters(best_of=2, do_sample=True), True, "streaming"),
         (TGIParameters(truncate=11), False, "--max-input-tokens=10"),
         (TGIParameters(grammar={"type": "json"}), False, "not supported"),
+        (TGIParameters(watermark=True), False, "`watermark`.*not supported"),
+        (TGIParameters(decoder_input_details=True), True, "not supported when streaming"),
     ],
 )
 def test_tgi_rules(params, stream, message):
