@@ -71,5 +71,5 @@ def _dequantized_product(
     x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 ) -> torch.Tensor:
     """The CPU's product, bf16 [M, N]: the e4m3 products are exact in float32, summed there, then scaled.
-    (torch's CPU `_scaled_mm` takes row-wise scales from 2.13 on only; the Gaudi image's torch is older.)"""
+    (torch's CPU `_scaled_mm` took per-tensor scales only in 2.11; row-wise ones from 2.13.)"""
     return ((x_q.float() @ weight.float().t()) * x_scale * weight_scale.t()).to(torch.bfloat16)
