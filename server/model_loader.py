@@ -13,7 +13,14 @@ from tgserve.server.errors import ModelLoadError
 from tgserve.server.hf_compat import dtype_kwargs
 from tgserve.server.loader import ModelSource, iter_safetensors, safetensors_files, verify_safetensors
 from tgserve.server.models.registry import architecture_name, check_supported, native_model_class
-from tgserve.server.quantization import check_checkpoint, check_quantize, quantize_model_fp8
+from tgserve.server.quantization import (
+    check_checkpoint,
+    check_quantize,
+    hold_fp8_checkpoint,
+    is_fp8_checkpoint,
+    quantize_model_fp8,
+    without_fp8_extras,
+)
 
 
 def load_model(
@@ -38,8 +45,9 @@ def load_model(
     architecture = architecture_name(config)
     check_supported(architecture, trust_remote_code)
     native = None if force_fallback else native_model_class(architecture)
-    check_checkpoint(config, source.display_name)
-    check_quantize(quantize, device, native is not None, architecture)
+    check_checkpoint(config, source.display_name, native is not None)
+    fp8_checkpoint = is_fp8_checkpoint(config)
+    check_quantize("fp8" if fp8_checkpoint else quantize, device, native is not None, architecture)
     shards = tensor_parallel().world_size
     if shards > 1 and not getattr(native, "supports_tensor_parallel", False):
         raise ModelLoadError(
@@ -61,17 +69,31 @@ def load_model(
         except (OSError, ValueError, RuntimeError) as exc:
             raise ModelLoadError(f"cannot load {source.display_name} through transformers: {exc}") from exc
     model = _construct(native, config, dtype, device)
+    if fp8_checkpoint and load_format != "dummy":
+        return _load_fp8_checkpoint(model.to(dtype), source, config, device, allow_pickle)
     if load_format == "dummy":
         _fill_dummy_weights(model)
     else:
         model.load_weights(_checkpoint_weights(source, config, device, allow_pickle))
     model = model.to(dtype).eval()
-    if quantize == "fp8":
+    if quantize == "fp8" or fp8_checkpoint:
         try:
             quantize_model_fp8(model)
         except ValueError as exc:
             raise ModelLoadError(f"cannot quantize {source.display_name} to fp8: {exc}") from exc
     return model
+
+
+def _load_fp8_checkpoint(
+    model: nn.Module, source: ModelSource, config: Any, device: torch.device, allow_pickle: bool
+) -> nn.Module:
+    """The checkpoint's e4m3 rows and scales copied into fp8 projections as they are."""
+    try:
+        hold_fp8_checkpoint(model)
+        model.load_weights(without_fp8_extras(_checkpoint_weights(source, config, device, allow_pickle)))
+    except ValueError as exc:
+        raise ModelLoadError(f"cannot load the fp8 checkpoint {source.display_name}: {exc}") from exc
+    return model.eval()
 
 
 @torch.no_grad()

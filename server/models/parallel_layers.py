@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tgserve.kernels import dispatch
-from tgserve.kernels.fp8 import FP8_ALIGNMENT, quantize_rows
+from tgserve.kernels.fp8 import FP8, FP8_ALIGNMENT, quantize_rows
 from tgserve.server.distributed import TensorParallel, tensor_parallel
 
 
@@ -29,7 +29,8 @@ def _attach(param: nn.Parameter, loader: Callable[[nn.Parameter, torch.Tensor, i
 
 
 class QuantizableLinear(nn.Module):
-    """A projection whose weight `--quantize fp8` can turn into fp8 rows with a scale each."""
+    """A projection whose weight `--quantize fp8` turns into fp8 rows with a scale each, or that an
+    fp8 checkpoint fills with its own rows and scales (server/quantization.py)."""
 
     weight: nn.Parameter
     weight_scale: torch.Tensor | None
@@ -40,13 +41,50 @@ class QuantizableLinear(nn.Module):
 
     def quantize_fp8_(self) -> None:
         """The loaded weight becomes fp8 [N, K] with float32 scales [N, 1]; `forward` then runs in fp8."""
+        self._check_fp8_shape()
+        weight, self.weight_scale = quantize_rows(self.weight.data)
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
+    def hold_fp8_checkpoint_(self) -> None:
+        """Before an fp8 checkpoint loads: the weight becomes an fp8 parameter that takes the
+        checkpoint's e4m3 rows as they are, and `weight_scale` a float32 [N, 1] parameter that takes
+        their scales, one per row or one per tensor (each part of a fused projection its own)."""
+        self._check_fp8_shape()
+        copy_rows = self.weight.weight_loader
+        self.weight = nn.Parameter(torch.empty_like(self.weight, dtype=FP8), requires_grad=False)
+        self.weight_scale = nn.Parameter(
+            torch.ones(self.weight.shape[0], 1, dtype=torch.float32, device=self.weight.device),
+            requires_grad=False,
+        )
+
+        def load_fp8(param: nn.Parameter, tensor: torch.Tensor, part: int | None) -> None:
+            if tensor.dtype != FP8:
+                raise ValueError(f"an fp8 checkpoint's projection weight is {tensor.dtype}, not {FP8}")
+            copy_rows(param, tensor, part)
+
+        def load_scale(param: nn.Parameter, tensor: torch.Tensor, part: int | None) -> None:
+            rows = tensor.float().reshape(-1, 1)
+            self._load_row_scales(
+                param, rows.expand(self.full_rows(part), 1) if rows.shape[0] == 1 else rows, part
+            )
+
+        _attach(self.weight, load_fp8)
+        _attach(self.weight_scale, load_scale)
+
+    def full_rows(self, part: int | None) -> int:
+        """Rows of the whole checkpoint tensor (all shards) behind `part` of this weight."""
+        raise NotImplementedError
+
+    def _load_row_scales(self, param: nn.Parameter, scales: torch.Tensor, part: int | None) -> None:
+        """This shard's rows of a whole checkpoint's per-row scales [full_rows(part), 1]."""
+        raise NotImplementedError
+
+    def _check_fp8_shape(self) -> None:
         rows, cols = self.weight.shape
         if rows % FP8_ALIGNMENT or cols % FP8_ALIGNMENT:
             raise ValueError(
                 f"fp8 needs projection sizes in multiples of {FP8_ALIGNMENT}; this one is {rows} x {cols}"
             )
-        weight, self.weight_scale = quantize_rows(self.weight.data)
-        self.weight = nn.Parameter(weight, requires_grad=False)
 
 
 class ColumnParallelLinear(QuantizableLinear):
@@ -62,6 +100,12 @@ class ColumnParallelLinear(QuantizableLinear):
         for param in (self.weight, self.bias):
             if param is not None:
                 _attach(param, self._load)
+
+    def full_rows(self, part: int | None) -> int:
+        return self.local_sizes[part or 0] * self.tp.world_size
+
+    def _load_row_scales(self, param: nn.Parameter, scales: torch.Tensor, part: int | None) -> None:
+        self._load(param, scales, part)  # split by output rows, as the weight is
 
     def _load(self, param: nn.Parameter, tensor: torch.Tensor, part: int | None) -> None:
         part = part or 0
@@ -86,6 +130,12 @@ class RowParallelLinear(QuantizableLinear):
         _attach(self.weight, self._load_weight)
         if self.bias is not None:
             _attach(self.bias, lambda param, tensor, part: param.data.copy_(tensor))
+
+    def full_rows(self, part: int | None) -> int:
+        return self.weight.shape[0]
+
+    def _load_row_scales(self, param: nn.Parameter, scales: torch.Tensor, part: int | None) -> None:
+        param.data.copy_(scales)  # every shard holds every output row (its inputs are what is split)
 
     def _load_weight(self, param: nn.Parameter, tensor: torch.Tensor, part: int | None) -> None:
         param.data.copy_(tensor.narrow(1, self.tp.rank * self.local_in, self.local_in))

@@ -120,6 +120,54 @@ def write_corrupt_copy(src: Path, dst: Path, mode: Literal["truncate", "header"]
     return dst
 
 
+def write_fp8_checkpoint(
+    src: Path,
+    dst: Path,
+    strategy: Literal["channel", "tensor"],
+    layout: Literal["compressed-tensors", "autofp8"] = "compressed-tensors",
+) -> Path:
+    """Copy the fixture `src` to `dst` as llm-compressor writes an FP8 model (compressed-tensors,
+    float-quantized), or as AutoFP8 does (`fp8`, scalar scales): e4m3 projection weights, each with
+    its `weight_scale` (a scale per row, or one for the tensor), and the static `input_scale`s and
+    KV-cache scales such files also carry."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from tgserve.kernels.fp8 import quantize_rows
+
+    dst = Path(dst)
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    weights = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False}
+    activations = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}
+    group = {"weights": weights, "input_activations": activations, "targets": ["Linear"]}
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {"group_0": group},
+        "ignore": ["lm_head"],
+    }
+    if layout == "autofp8":
+        config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static"}
+    (dst / "config.json").write_text(json.dumps(config))
+    tensors = {}
+    for name, tensor in load_file(dst / "model.safetensors").items():
+        tensors[name] = tensor
+        if name.endswith("proj.weight") and ".layers." in name:
+            rows = tensor if strategy == "channel" else tensor.reshape(1, -1)
+            q, scale = quantize_rows(rows)
+            tensors[name] = q.reshape(tensor.shape)
+            per_tensor = () if layout == "autofp8" else (1,)
+            tensors[name.replace(".weight", ".weight_scale")] = (
+                scale if strategy == "channel" else scale.reshape(per_tensor)
+            )
+            tensors[name.replace(".weight", ".input_scale")] = torch.ones(1)
+        if name.endswith("self_attn.k_proj.weight"):
+            tensors[name.replace("k_proj.weight", "k_scale")] = torch.ones(())
+    save_file(tensors, dst / "model.safetensors")
+    return dst
+
+
 def _check_arch(arch: str) -> None:
     """Raise KeyError naming the known architectures when `arch` is not one of them."""
     if arch not in CONFIG_BUILDERS:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 
 from tgserve import LLM, SamplingParams
 from tgserve.kernels.fp8 import FP8
@@ -22,7 +23,7 @@ from tgserve.server.testing.agreement import (
     engine_forced_picks,
     engine_greedy,
 )
-from tgserve.server.testing.fixtures import fixture_path
+from tgserve.server.testing.fixtures import fixture_path, write_fp8_checkpoint
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
 
@@ -39,12 +40,70 @@ def _marked_quantized(arch: str, tmp_path: Path, quantization: dict) -> Path:
 
 @pytest.mark.parametrize("arch", ["llama", "phi3"])  # native, and through transformers
 @pytest.mark.parametrize("method", ["awq", "fp8", "compressed-tensors"])
-def test_checkpoints_quantized_elsewhere_are_refused_by_name(arch: str, method: str, tmp_path: Path) -> None:
+def test_checkpoints_quantized_otherwise_are_refused_by_name(arch: str, method: str, tmp_path: Path) -> None:
     # Before this check, the transformers path loaded an fp8 checkpoint's weights as plain ones
-    # without a word, and answered with noise.
-    model = _marked_quantized(arch, tmp_path, {"quant_method": method, "bits": 4})
-    with pytest.raises(ModelLoadError, match=f"{method}-quantized checkpoint.*--quantize fp8"):
+    # without a word, and answered with noise. fp8 here is transformers' block-scaled layout,
+    # compressed-tensors an int4 one.
+    quantization = {
+        "quant_method": method,
+        "bits": 4,
+        "weight_block_size": [128, 128],
+        "format": "pack-quantized",
+    }
+    model = _marked_quantized(arch, tmp_path, quantization)
+    with pytest.raises(ModelLoadError, match=f"{method}-quantized checkpoint in a form.*--quantize fp8"):
         LLM(str(model), num_blocks=16)
+
+
+def test_an_fp8_checkpoint_loads_its_rows_and_scales_as_they_are(tmp_path: Path) -> None:
+    """Per-row scales: the checkpoint holds what --quantize fp8 computes from the unquantized
+    fixture, so the two engines hold the same fp8 weights and give the same log-probabilities."""
+    checkpoint = LLM(
+        str(write_fp8_checkpoint(fixture_path("llama"), tmp_path / "fp8", "channel")), num_blocks=32
+    )
+    quantized = LLM(str(fixture_path("llama")), quantize="fp8", num_blocks=32)
+    mine, theirs = (dict(llm.engine.runner.model.named_parameters()) for llm in (checkpoint, quantized))
+    qkv = "model.layers.1.self_attn.qkv_proj"
+    assert mine[f"{qkv}.weight"].dtype == FP8
+    assert torch.equal(mine[f"{qkv}.weight"].view(torch.uint8), theirs[f"{qkv}.weight"].view(torch.uint8))
+    assert torch.equal(
+        mine[f"{qkv}.weight_scale"], quantized.engine.runner.model.get_buffer(f"{qkv}.weight_scale")
+    )
+    text = "Once upon a time there was a little dog"
+    ask = SamplingParams(temperature=0.0, max_new_tokens=4, prompt_logprobs=0, ignore_eos=True)
+    a, b = (llm.generate([text], ask)[0] for llm in (checkpoint, quantized))
+    assert [t.logprob for t in a.prompt_logprobs[1:]] == [t.logprob for t in b.prompt_logprobs[1:]]
+    assert a.token_ids == b.token_ids
+
+
+@pytest.mark.parametrize("layout", ["compressed-tensors", "autofp8"])
+def test_an_fp8_checkpoint_with_a_scale_per_tensor_repeats_it_for_each_row(
+    layout: str, tmp_path: Path
+) -> None:
+    checkpoint = write_fp8_checkpoint(fixture_path("llama"), tmp_path / "fp8", "tensor", layout)
+    llm = LLM(str(checkpoint), num_blocks=32)
+    scales = llm.engine.runner.model.get_parameter("model.layers.0.self_attn.qkv_proj.weight_scale")
+    config = json.loads((fixture_path("llama") / "config.json").read_text())
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config["hidden_size"] // heads
+    q, k, v = scales.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim])
+    for part in (q, k, v):
+        assert (part == part[0]).all()  # one scale a part (a tensor of the checkpoint)
+    assert len({q[0].item(), k[0].item(), v[0].item()}) == 3
+    assert len(llm.generate(["Once upon a time"], GREEDY)[0].token_ids) == 8
+
+
+def test_fp8_checkpoints_need_the_native_path_and_fp8_projections(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="fp8 checkpoints load natively"):
+        LLM(str(write_fp8_checkpoint(fixture_path("phi3"), tmp_path / "phi3-fp8", "channel")), num_blocks=16)
+    mixed = write_fp8_checkpoint(fixture_path("llama"), tmp_path / "fp8", "channel")
+    (file,) = mixed.glob("*.safetensors")
+    tensors = load_file(file)
+    name = "model.layers.0.mlp.down_proj.weight"
+    tensors[name] = tensors[name].float() * tensors[name.replace(".weight", ".weight_scale")]
+    save_file(tensors, file)
+    with pytest.raises(ModelLoadError, match="projection weight is torch.float32, not torch.float8_e4m3fn"):
+        LLM(str(mixed), num_blocks=16)
 
 
 def test_a_quantization_config_is_read_from_dicts_and_config_objects() -> None:

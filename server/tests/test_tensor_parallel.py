@@ -18,7 +18,7 @@ from tgserve.server.memory import dummy_prefill_metadata
 from tgserve.server.model_loader import load_model
 from tgserve.server.runner import ModelRunner
 from tgserve.server.shard_workers import free_tcp_address
-from tgserve.server.testing.fixtures import fixture_path
+from tgserve.server.testing.fixtures import fixture_path, write_fp8_checkpoint
 
 NUM_TOKENS, NUM_PROMPTS = 31, 3  # fresh prompts of 11, 10 and 10 tokens in one flat batch
 
@@ -80,14 +80,20 @@ def test_two_shards_compute_the_unsharded_logits(arch: str) -> None:
         torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_two_fp8_shards_compute_close_to_one_fp8_model() -> None:
-    """A row-parallel shard scales its own half of each row (weights and activations), so fp8 shards
-    round differently from one fp8 model, at fp8's own scale: no closer to it than to the unquantized
-    model, and no further. (A shard whose product missed its scales would be off by orders.)"""
+@pytest.mark.parametrize("source", ["--quantize fp8", "fp8 checkpoint"])
+def test_two_fp8_shards_compute_close_to_one_fp8_model(source: str, tmp_path) -> None:
+    """A row-parallel shard quantizes its own half of each activation row (and, under --quantize,
+    of each weight row), so fp8 shards round differently from one fp8 model, at fp8's own scale: no
+    closer to it than to the unquantized model, and no further. (A shard whose product missed its
+    scales would be off by orders.) An fp8 checkpoint's scales are whole rows', split with nothing."""
     path = str(fixture_path("llama"))
     plain, fp8 = prompt_logits(path), prompt_logits(path, quantize="fp8")
     fp8_error = (fp8 - plain).abs().max()
-    for logits in sharded_logits(path, "fp8").values():
+    quantize = "fp8"
+    if source == "fp8 checkpoint":
+        path, quantize = str(write_fp8_checkpoint(fixture_path("llama"), tmp_path / "fp8", "channel")), None
+        assert torch.equal(prompt_logits(path), fp8)  # the same weights as --quantize fp8's
+    for logits in sharded_logits(path, quantize).values():
         assert (logits - fp8).abs().max() <= 2 * fp8_error
         assert (logits - plain).abs().max() <= 2 * fp8_error
 
