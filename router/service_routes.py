@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 import tgserve
 from tgserve.router.errors import EngineUnavailableError, ValidationError
 from tgserve.router.http import parse_json, read_body
-from tgserve.router.openai_schemas import ChatMessage, message_text
+from tgserve.router.openai_schemas import ChatCompletionRequest, ChatMessage, message_text, template_messages
 from tgserve.router.state import router_state
 from tgserve.router.tgi_schemas import TGITokenizeRequest
 
@@ -94,14 +94,30 @@ async def tokenize(request: Request) -> Response:
         shape = None
     if isinstance(shape, dict) and "inputs" in shape:
         tgi_request = parse_json(TGITokenizeRequest, body)
-        tokens = [
-            {"id": i, "text": tgi_request.inputs[start:stop], "start": start, "stop": stop}
-            for i, start, stop in state.tokenizer.offsets(tgi_request.inputs)
-        ]
-        return JSONResponse(tokens)
+        return JSONResponse(simple_tokens(state, tgi_request.inputs, add_special_tokens=True))
     vllm_request = parse_json(VLLMTokenizeRequest, body)
     ids = vllm_tokens(state, vllm_request)
     return JSONResponse({"count": len(ids), "max_model_len": state.config.total_limit, "tokens": ids})
+
+
+def simple_tokens(state: Any, text: str, add_special_tokens: bool) -> list[dict[str, Any]]:
+    """TGI's tokens: id, text, and character offsets into `text`."""
+    return [
+        {"id": i, "text": text[start:stop], "start": start, "stop": stop}
+        for i, start, stop in state.tokenizer.offsets(text, add_special_tokens)
+    ]
+
+
+@router.post("/chat_tokenize")
+async def chat_tokenize(request: Request) -> Response:
+    """TGI's: a chat request's prompt as /v1/chat/completions renders it, and its tokens."""
+    state = router_state(request)
+    chat = parse_json(ChatCompletionRequest, await read_body(request, state.config.payload_limit))
+    text = state.tokenizer.chat_prompt(template_messages(chat))
+    # The template writes the special tokens it wants; the chat route adds none.
+    return JSONResponse(
+        {"tokenize_response": simple_tokens(state, text, add_special_tokens=False), "templated_text": text}
+    )
 
 
 def vllm_tokens(state: Any, request: VLLMTokenizeRequest) -> list[int]:

@@ -169,7 +169,7 @@ class RouterTokenizer:
         """Template then tokenize; the template already wrote the special tokens it wants."""
         return self.encode(self.chat_prompt(messages), add_special_tokens=False)
 
-    def offsets(self, text: str) -> list[tuple[int, int, int]]:
+    def offsets(self, text: str, add_special_tokens: bool = True) -> list[tuple[int, int, int]]:
         """(id, start, stop) character offsets of each token of text, for TGI's /tokenize."""
-        encoding = self.tokenizer.encode(text, add_special_tokens=True)
+        encoding = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         return [(int(i), int(s), int(e)) for i, (s, e) in zip(encoding.ids, encoding.offsets)]

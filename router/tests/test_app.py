@@ -365,6 +365,12 @@ async def test_service_routes(tokenizer_dir, tokenizer):
     vllm = (await http.post("/tokenize", json={"prompt": "Hello world"})).json()
     assert vllm["tokens"] == [t["id"] for t in tgi] and vllm["count"] == len(tgi)
     assert (await http.post("/detokenize", json={"tokens": vllm["tokens"]})).json()["prompt"] == "Hello world"
+    messages = [{"role": "user", "content": "Hello world"}]
+    chat = (await http.post("/chat_tokenize", json={"messages": messages})).json()
+    assert chat["templated_text"].endswith("<|im_start|>user\nHello world<|im_end|>\n<|im_start|>assistant\n")
+    chat_ids = (await http.post("/tokenize", json={"messages": messages})).json()["tokens"]
+    assert [t["id"] for t in chat["tokenize_response"]] == chat_ids  # what the chat route sends
+    assert "".join(t["text"] for t in chat["tokenize_response"]) == chat["templated_text"]
     await http.post("/generate", json={"inputs": "x"})
     metrics = (await http.get("/metrics")).text
     assert "tgi_request_success 1.0" in metrics.splitlines()
