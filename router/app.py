@@ -12,7 +12,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import tgserve
-from tgserve.router import openai_routes, service_routes, tgi_routes
+from tgserve.router import openai_routes, sagemaker_routes, service_routes, tgi_routes
 from tgserve.router.errors import (
     MethodNotAllowedError,
     NotFoundError,
@@ -123,6 +123,7 @@ def create_app(state: RouterState) -> FastAPI:
     app.include_router(tgi_routes.router)
     app.include_router(openai_routes.router)
     app.include_router(service_routes.router)
+    app.include_router(sagemaker_routes.router)
     app.add_exception_handler(RouterError, router_error_handler)
     app.add_exception_handler(StarletteHTTPException, unrouted_handler)
     app.add_exception_handler(ClientDisconnected, disconnected_handler)

@@ -211,6 +211,24 @@ async def test_bodies_not_sent_as_json_are_415_in_each_apis_shape(tokenizer_dir,
     assert (await http.post("/v1/chat/completions", content=chat, headers=sent)).status_code == 200
 
 
+async def test_sagemaker_invocations_answer_as_the_bodys_own_route(tokenizer_dir, tokenizer):
+    """TGI's /invocations: chat, completion or TGI body, each answered as its own route would."""
+    _, http = build(tokenizer_dir, tokenizer)
+    chat = await http.post("/invocations", json={"messages": [{"role": "user", "content": "Q"}]})
+    assert chat.json()["object"] == "chat.completion"
+    assert chat.json()["choices"][0]["message"]["content"] == ANSWER
+    completion = await http.post("/invocations", json={"prompt": "Q:", "max_tokens": 3})
+    assert completion.json()["object"] == "text_completion"
+    tgi = await http.post("/invocations", json={"inputs": "Q:"})
+    assert tgi.json()[0]["generated_text"] == "Q:" + ANSWER  # as POST /
+    streamed = await http.post(
+        "/invocations", json={"messages": [{"role": "user", "content": "Q"}], "stream": True}
+    )
+    assert events(streamed.text)[-1] == "[DONE]"
+    bad = await http.post("/invocations", json={"inputs": ""})
+    assert bad.status_code == 422 and bad.json()["error_type"] == "validation"
+
+
 async def test_unknown_routes_and_methods_answer_in_each_apis_shape(tokenizer_dir, tokenizer):
     _, http = build(tokenizer_dir, tokenizer)
     missing = await http.post("/v1/embeddings", json={"input": "x"})
