@@ -66,3 +66,22 @@ def test_decoder_input_details_scores_the_prompt(client, tiny_model, offline_llm
     assert [t.logprob for t in prefill[1:]] == pytest.approx(
         [e.logprob for e in offline.prompt_logprobs[1:]], abs=1e-4
     )
+
+
+def test_sagemaker_invocations_and_chat_tokenize(tiny_server):
+    import httpx
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    url, headers = tiny_server.url, tiny_server.headers
+    chat = httpx.post(
+        f"{url}/invocations", json={"messages": messages, "max_tokens": 4}, headers=headers, timeout=60
+    )
+    assert chat.status_code == 200 and chat.json()["object"] == "chat.completion"
+    tgi = httpx.post(f"{url}/invocations", json={"inputs": "Hello", "parameters": {"max_new_tokens": 2}},
+                     headers=headers, timeout=60)  # fmt: skip
+    assert tgi.status_code == 200 and tgi.json()[0]["generated_text"].startswith("Hello")
+    tokens = httpx.post(
+        f"{url}/chat_tokenize", json={"messages": messages}, headers=headers, timeout=60
+    ).json()
+    assert "What is the capital of France?" in tokens["templated_text"]
+    assert chat.json()["usage"]["prompt_tokens"] == len(tokens["tokenize_response"])
