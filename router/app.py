@@ -23,6 +23,7 @@ from tgserve.router.errors import (
     is_openai_path,
 )
 from tgserve.router.http import ClientDisconnected
+from tgserve.router.openapi import install_openapi
 from tgserve.router.state import RouterState
 
 logger = logging.getLogger("tgserve.router")
@@ -124,6 +125,7 @@ def create_app(state: RouterState) -> FastAPI:
     app.include_router(openai_routes.router)
     app.include_router(service_routes.router)
     app.include_router(sagemaker_routes.router)
+    install_openapi(app)
     app.add_exception_handler(RouterError, router_error_handler)
     app.add_exception_handler(StarletteHTTPException, unrouted_handler)
     app.add_exception_handler(ClientDisconnected, disconnected_handler)

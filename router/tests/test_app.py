@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 
 import httpx
 import pytest
@@ -227,6 +228,22 @@ async def test_sagemaker_invocations_answer_as_the_bodys_own_route(tokenizer_dir
     assert events(streamed.text)[-1] == "[DONE]"
     bad = await http.post("/invocations", json={"inputs": ""})
     assert bad.status_code == 422 and bad.json()["error_type"] == "validation"
+
+
+async def test_openapi_documents_the_request_bodies(tokenizer_dir, tokenizer):
+    _, http = build(tokenizer_dir, tokenizer)
+    spec = (await http.get("/openapi.json")).json()
+    components = spec["components"]["schemas"]
+
+    def body_of(path: str) -> dict:
+        ref = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        return components[ref.rsplit("/", 1)[1]]
+
+    assert "inputs" in body_of("/generate")["properties"]
+    assert "messages" in body_of("/v1/chat/completions")["required"]
+    assert "max_new_tokens" in components["TGIParameters"]["properties"]
+    refs = re.findall(r'"\$ref": "#/components/schemas/([^"]+)"', json.dumps(spec))
+    assert refs and all(name in components for name in refs)  # every reference resolves
 
 
 async def test_unknown_routes_and_methods_answer_in_each_apis_shape(tokenizer_dir, tokenizer):
