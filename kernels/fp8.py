@@ -23,7 +23,7 @@ FP8_ALIGNMENT = 16
 # on Llama-3-8B's qkv, o_proj and down (15.0 / 10.3 / 28.7 us against 20.3 / 16.3 / 47.1), but not
 # on gate_up (61.7 against 47.4), nor at 8 rows or more (kernels/bench/bench_gemv.py --fp8).
 SKINNY_MAX_WEIGHT = 64 << 20
-_TINY = torch.finfo(torch.float32).tiny  # an all-zero row gets a scale that divides without nan
+TINY_SCALE = torch.finfo(torch.float32).tiny  # an all-zero row gets a scale that divides without nan
 # The scale is amax times this constant, not amax / 448: torch divides by a scalar through its
 # reciprocal on some devices and not on others, and a multiplication rounds the same everywhere.
 INV_FP8_MAX = 1.0 / FP8_MAX
@@ -31,7 +31,7 @@ INV_FP8_MAX = 1.0 / FP8_MAX
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp8 [M, K], float32 scale [M, 1]): each row of x [M, K] scaled so its largest magnitude is 448."""
-    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=_TINY) * INV_FP8_MAX
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=TINY_SCALE) * INV_FP8_MAX
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
@@ -49,18 +49,15 @@ def fp8_linear(
         return skinny_linear(rows, weight, bias, weight_scale=weight_scale).reshape(
             *x.shape[:-1], out_features
         )
-    if rows.is_cuda and rows.stride(-1) == 1:
+    if rows.is_cuda:
         from tgserve.kernels.fp8_rows import quantize_rows_triton
 
-        x_q, x_scale = quantize_rows_triton(rows)
-    else:
-        x_q, x_scale = quantize_rows(rows)
-    if rows.is_cuda:
+        x_q, x_scale = quantize_rows_triton(rows) if rows.stride(-1) == 1 else quantize_rows(rows)
         out = torch._scaled_mm(
             x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.t(), out_dtype=torch.bfloat16
         )
     else:
-        out = _dequantized_product(x_q, x_scale, weight, weight_scale)
+        out = _dequantized_product(*quantize_rows(rows), weight, weight_scale)
     out = out.to(x.dtype)
     if bias is not None:
         out = out + bias

@@ -1,8 +1,8 @@
 """Triton per-row fp8 quantization of a step's activations: one launch instead of torch's six.
 
-Twin: `fp8.quantize_rows`, matched bit for bit. The scale is amax * (1 / 448) in float32 and the
-division by it is correctly rounded (`div_rn`), as torch's is; the conversion to e4m3 rounds to nearest even, as
-torch's does. A whole row sits in one program's registers (projection inputs are at most tens of
+Twin: `fp8.quantize_rows`, matched bit for bit. The scale is amax * (1 / 448) in float32, the
+division by it is correctly rounded (`div_rn`) as torch's is, and the conversion to e4m3 rounds to
+nearest even as torch's does. A whole row sits in one program's registers (projection inputs are at most tens of
 thousands of features), so the row is read once.
 """
 
@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tgserve.kernels.fp8 import FP8, FP8_MAX, INV_FP8_MAX
+from tgserve.kernels.fp8 import FP8, FP8_MAX, INV_FP8_MAX, TINY_SCALE
 
 
 @triton.jit
@@ -38,7 +38,7 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     block = triton.next_power_of_2(n)
     _quantize_rows_kernel[(rows,)](
-        x, q, scale, n, x.stride(0), torch.finfo(torch.float32).tiny, FP8_MAX, INV_FP8_MAX,
+        x, q, scale, n, x.stride(0), TINY_SCALE, FP8_MAX, INV_FP8_MAX,
         BLOCK_N=block, num_warps=max(1, min(16, block // 512)),
     )  # fmt: skip
     return q, scale

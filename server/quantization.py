@@ -3,13 +3,13 @@
 `--quantize fp8` stores the native models' linear weights as float8 (e4m3) with one float32 scale
 per output row, quantized at load time from the checkpoint's weights, as vLLM's and TGI's `fp8`
 do. A step quantizes its activations per row on the fly and multiplies in fp8
-(`kernels.dispatch.linear`, `kernels/fp8.py`; a lone decode row keeps its activations as they are). The weights take half the memory of bf16, so a decode step reads half
-the bytes and the KV pool gets the rest. The embedding, the LM head and the norms stay in the
-serving dtype.
+(`kernels.dispatch.linear`, `kernels/fp8.py`; a lone decode row keeps its activations as they
+are). The weights take half the memory of bf16, so a decode step reads half the bytes and the KV
+pool gets the rest. The embedding, the LM head and the norms stay in the serving dtype.
 
 fp8 checkpoints in compressed-tensors' float-quantized format (llm-compressor's FP8 and FP8-dynamic
-models) or AutoFP8's load into the same layout as they are: their e4m3 rows and their scales, a per-tensor scale
-repeated for each row. Checkpoints quantized otherwise (AWQ, GPTQ, bitsandbytes, block-scaled fp8...)
+models) or AutoFP8's load into the same layout as they are: their e4m3 rows and their scales, a
+per-tensor scale repeated for each row. Checkpoints quantized otherwise (AWQ, GPTQ, bitsandbytes, block-scaled fp8...)
 carry weights this loader would copy as if they were plain ones, so they are refused by name. GGUF
 files are dequantized by transformers on load and are served like any other.
 """
@@ -128,10 +128,8 @@ def without_fp8_extras(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[
     return ((name, tensor) for name, tensor in weights if not name.endswith(FP8_CHECKPOINT_EXTRAS))
 
 
-def quantize_model_fp8(model: torch.nn.Module) -> int:
-    """Every layer with a `quantize_fp8_` method (the tensor-parallel linear layers) quantized in
-    place; returns how many."""
-    layers = [module for module in model.modules() if hasattr(module, "quantize_fp8_")]
-    for layer in layers:
-        layer.quantize_fp8_()
-    return len(layers)
+def quantize_model_fp8(model: torch.nn.Module) -> None:
+    """Every quantizable projection (the tensor-parallel linear layers) quantized to fp8 in place."""
+    for module in model.modules():
+        if hasattr(module, "quantize_fp8_"):
+            module.quantize_fp8_()

@@ -138,17 +138,18 @@ def write_fp8_checkpoint(
     dst = Path(dst)
     shutil.copytree(src, dst)
     config = json.loads((dst / "config.json").read_text())
-    weights = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False}
-    activations = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}
-    group = {"weights": weights, "input_activations": activations, "targets": ["Linear"]}
-    config["quantization_config"] = {
-        "quant_method": "compressed-tensors",
-        "format": "float-quantized",
-        "config_groups": {"group_0": group},
-        "ignore": ["lm_head"],
-    }
     if layout == "autofp8":
         config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static"}
+    else:
+        weights = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False}
+        activations = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}
+        group = {"weights": weights, "input_activations": activations, "targets": ["Linear"]}
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "config_groups": {"group_0": group},
+            "ignore": ["lm_head"],
+        }
     (dst / "config.json").write_text(json.dumps(config))
     tensors = {}
     for name, tensor in load_file(dst / "model.safetensors").items():
