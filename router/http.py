@@ -61,6 +61,16 @@ def describe_validation_error(exc: pydantic.ValidationError) -> tuple[str, str |
     return "; ".join(parts), first_param
 
 
+def json_object(body: bytes) -> dict[str, Any]:
+    """The body as a JSON object where it is one, else empty: for routes that take several shapes and
+    pick one by its keys (the model they then parse it with names any error)."""
+    try:
+        shape = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return {}
+    return shape if isinstance(shape, dict) else {}
+
+
 def parse_json(model: type[ModelT], body: bytes) -> ModelT:
     """Parse and validate a body against a model; any failure is the client's (a 4xx naming it)."""
     if not body:

@@ -4,15 +4,12 @@ service route)."""
 
 from __future__ import annotations
 
-import json
-from typing import Any
-
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 from starlette.types import Message
 
 from tgserve.router import openai_routes, tgi_routes
-from tgserve.router.http import read_body
+from tgserve.router.http import json_object, read_body
 from tgserve.router.state import router_state
 
 router = APIRouter()
@@ -23,7 +20,7 @@ async def invocations(request: Request) -> Response:
     """`messages`: a chat completion; `prompt`: a completion; else TGI's `inputs` (as POST /)."""
     body = await read_body(request, router_state(request).config.payload_limit)
     again = replaying(request, body)
-    shape = _json_object(body)
+    shape = json_object(body)
     if "messages" in shape:
         return await openai_routes.chat_completions(again)
     if "prompt" in shape:
@@ -44,12 +41,3 @@ def replaying(request: Request, body: bytes) -> Request:
         return await request.receive()
 
     return Request(request.scope, receive)
-
-
-def _json_object(body: bytes) -> dict[str, Any]:
-    """The body's top-level keys where it is a JSON object; the route it goes to names any error."""
-    try:
-        shape = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return {}
-    return shape if isinstance(shape, dict) else {}

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -12,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 import tgserve
 from tgserve.router.errors import EngineUnavailableError, ValidationError
-from tgserve.router.http import parse_json, read_body
+from tgserve.router.http import json_object, parse_json, read_body
 from tgserve.router.openai_schemas import ChatCompletionRequest, ChatMessage, message_text, template_messages
 from tgserve.router.state import router_state
 from tgserve.router.tgi_schemas import TGITokenizeRequest
@@ -88,11 +87,7 @@ class DetokenizeRequest(BaseModel):
 async def tokenize(request: Request) -> Response:
     state = router_state(request)
     body = await read_body(request, state.config.payload_limit)
-    try:
-        shape = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        shape = None
-    if isinstance(shape, dict) and "inputs" in shape:
+    if "inputs" in json_object(body):
         tgi_request = parse_json(TGITokenizeRequest, body)
         return JSONResponse(simple_tokens(state, tgi_request.inputs, add_special_tokens=True))
     vllm_request = parse_json(VLLMTokenizeRequest, body)
