@@ -6,8 +6,8 @@ cores through `torch._scaled_mm` (cuBLASLt), accumulating in float32 and writing
 scales produce bfloat16 only); the CPU computes the same sums in float32 and rounds to bfloat16 too.
 The result is converted to the caller's dtype.
 
-At one row (batch-1 decode) CUDA takes the skinny kernel for all but the largest weights: they are
-dequantized in registers and x is not quantized at all, which rounds less.
+Up to 16 rows (decode at small batches) CUDA takes kernels/fp8_gemv.py instead of cuBLAS: the same
+quantized rows and sums, on tensor cores with the weight rows as the tile's long side.
 """
 
 from __future__ import annotations
@@ -18,11 +18,10 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448.0
 # cuBLASLt's fp8 products take inner and output dimensions in multiples of 16.
 FP8_ALIGNMENT = 16
-# At one row, CUDA multiplies fp8 weights of up to this many entries in the skinny kernel
-# (kernels/gemv.py), x unquantized: on an H200 it beat cuBLAS's fp8 product (quantization included)
-# on Llama-3-8B's qkv, o_proj and down (15.0 / 10.3 / 28.7 us against 20.3 / 16.3 / 47.1), but not
-# on gate_up (61.7 against 47.4), nor at 8 rows or more (kernels/bench/bench_gemv.py --fp8).
-SKINNY_MAX_WEIGHT = 64 << 20
+# Up to this many rows, CUDA multiplies in kernels/fp8_gemv.py instead of cuBLAS: on an H200 it took
+# Llama-3-8B's four projections in 82 us a layer against cuBLAS's 132, quantization included, from
+# 1 to 16 rows (kernels/bench/bench_gemv.py --fp8). 16 is the fp8 MMA's shortest side.
+GEMV_MAX_ROWS = 16
 TINY_SCALE = torch.finfo(torch.float32).tiny  # an all-zero row gets a scale that divides without nan
 # The scale is amax times this constant, not amax / 448: torch divides by a scalar through its
 # reciprocal on some devices and not on others, and a multiplication rounds the same everywhere.
@@ -43,12 +42,12 @@ def fp8_linear(
     out_features = weight.shape[0]
     if rows.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], out_features)
-    if rows.is_cuda and rows.shape[0] == 1 and weight.numel() <= SKINNY_MAX_WEIGHT and rows.stride(-1) == 1:
-        from tgserve.kernels.gemv import skinny_linear
+    if rows.is_cuda and rows.shape[0] <= GEMV_MAX_ROWS and rows.stride(-1) == 1:
+        from tgserve.kernels.fp8_gemv import fp8_gemv
+        from tgserve.kernels.fp8_rows import quantize_rows_triton
 
-        return skinny_linear(rows, weight, bias, weight_scale=weight_scale).reshape(
-            *x.shape[:-1], out_features
-        )
+        out = fp8_gemv(*quantize_rows_triton(rows), weight, weight_scale, bias, out_dtype=x.dtype)
+        return out.reshape(*x.shape[:-1], out_features)
     if rows.is_cuda:
         from tgserve.kernels.fp8_rows import quantize_rows_triton
 

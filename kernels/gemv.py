@@ -9,9 +9,6 @@ reduction kernel), keeping the next tile's load in flight while it multiplies th
 partial sums per lane until the end (one cross-thread reduction per program): 11.4 us.
 `dispatch.linear` sends only the shapes where that was measured faster (kernels/bench/bench_gemv.py);
 larger weights, and two rows or more, stay cuBLAS's.
-
-fp8 weights (`--quantize fp8`) come with one scale per row, applied to each row's sum; `fp8.fp8_linear`
-sends the shapes where that beat cuBLAS's fp8 product at one row.
 """
 
 from __future__ import annotations
@@ -24,8 +21,8 @@ from tgserve.kernels.triton_common import pdl, wait_for_inputs
 
 
 @triton.jit
-def _skinny_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                   HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _skinny_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
@@ -46,8 +43,6 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr, M, N, K, stride_xm,
                     other=0.0)  # fmt: skip
         acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     out = tl.sum(acc, 2)
-    if HAS_SCALE:
-        out *= tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
     if HAS_BIAS:
         out += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     y_at = y_ptr + rows[:, None] * stride_ym + cols[None, :]
@@ -55,22 +50,16 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr, M, N, K, stride_xm,
 
 
 CONFIG = {"BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 4}  # the fastest of benchmarks' sweep on an H200
-CONFIG_FP8 = {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4}  # the same for fp8 weights (bench_gemv.py --fp8)
 
 
 def skinny_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    config: dict | None = None,
-    weight_scale: torch.Tensor | None = None,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: dict | None = None
 ) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T (+ bias), any M, meant for M of one or two; weight_scale (float32
-    [N, 1]) multiplies each output column (fp8 weights)."""
+    """x [M, K] @ weight [N, K]^T (+ bias), any M, meant for M of one or two."""
     m, k = x.shape
     n = weight.shape[0]
     assert weight.shape[1] == k and weight.stride(-1) == 1 and x.stride(-1) == 1
-    cfg = {**(CONFIG if weight.element_size() > 1 else CONFIG_FP8), **(config or {})}
+    cfg = {**CONFIG, **(config or {})}
     block_m = triton.next_power_of_2(m)
     # The accumulator holds M x N x K floats: at most 64 registers a thread.
     block_k = min(cfg["BLOCK_K"], max(16, 64 * 32 * cfg["num_warps"] // (block_m * cfg["BLOCK_N"])))
@@ -78,9 +67,8 @@ def skinny_linear(
     if m == 0:
         return y
     _skinny_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
-        x, weight, bias if bias is not None else weight, weight_scale if weight_scale is not None else weight, y,
-        m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, HAS_SCALE=weight_scale is not None, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k,
+        x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k,
         num_warps=cfg["num_warps"], num_stages=1, **pdl(x),
     )  # fmt: skip
     return y

@@ -11,9 +11,10 @@ from this table.
 
     python kernels/bench/bench_gemv.py --fp8
 
-The same for fp8 weights with a scale per row (`--quantize fp8`): the skinny kernel against cuBLAS's
-fp8 product of quantized rows (`torch._scaled_mm`, quantization included) and the bf16 cuBLAS
-product, at 1 to 16 rows. `gemv.CONFIG_FP8` and `fp8.SKINNY_MAX_ROWS` are set from this table.
+fp8 weights with a scale per row (`--quantize fp8`): kernels/fp8_gemv.py against cuBLAS's fp8
+product (`torch._scaled_mm`) and the bf16 cuBLAS product, at 1 to 16 rows, the rows' quantization
+included in both fp8 columns. `fp8_gemv.launch_config` and `fp8.GEMV_MAX_ROWS` are set from this
+table; its error column is the float32 output's, where the MMA's own summation shows.
 """
 
 from __future__ import annotations
@@ -82,33 +83,49 @@ def measure(rows: int, n: int, k: int) -> tuple[float, float, dict, float]:
     return cublas, *best
 
 
-FP8_SWEEP = [dict(BLOCK_N=4, BLOCK_K=512, num_warps=4)] + [
-    dict(BLOCK_N=n, BLOCK_K=k, num_warps=w) for n, k, w in itertools.product((4, 8), (1024, 2048), (4, 8))
+GEMV_SWEEP = [
+    dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s, IMPRECISE_ACC=a)
+    for n, k, w, s, a in itertools.product((32, 64, 128), (128, 256, 512), (4, 8), (3, 4, 5), (32, 128))
+    if (n + 16) * k * s <= 200 << 10 and not (w == 8 and n == 32)  # what fits in shared memory
 ]
 
 
-def measure_fp8(rows: int, n: int, k: int) -> tuple[float, float, float, dict, float]:
-    """(bf16 cuBLAS us, fp8 cuBLAS us, best fp8 skinny us, its setting, its max error relative to
-    the dequantized weight's bf16 product)."""
+def _best(candidates: list[dict], product: Callable, weights: list, want: torch.Tensor, exact=None) -> tuple:
+    """(us, setting, max error relative to want's largest) of the fastest setting; `exact(weight,
+    setting)`, where given, is the output whose error is measured (a float32 one)."""
+    best = None
+    for config in candidates:
+        try:
+            got = (exact or product)(weights[0], config).float()
+        except Exception as error:  # a setting that does not fit (shared memory): skip it
+            print(f"skipped {config}: {type(error).__name__}", flush=True)
+            continue
+        err = float((got - want).abs().max() / want.abs().max())
+        us = graph_us([lambda w=w, c=config: product(w, c) for w in weights])
+        if best is None or us < best[0]:
+            best = (us, config, err)
+    return best
+
+
+def measure_fp8(rows: int, n: int, k: int) -> tuple:
+    """(bf16 cuBLAS us, fp8 cuBLAS us, best fp8 GEMV (us, setting, float32 output's max error relative
+    to the dequantized operands' largest product)."""
+    from tgserve.kernels.fp8_gemv import fp8_gemv
+    from tgserve.kernels.fp8_rows import quantize_rows_triton
+
     copies = max(2, -(-(400 << 20) // (n * k)))
     full = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
     weights = [quantize_rows(w) for w in full]
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     w_q, scale = weights[0]
-    want = F.linear(x.float(), w_q.float() * scale)
     bf16 = graph_us([lambda w=w: F.linear(x, w) for w in full[: max(2, copies // 2)]])
     del full
     cublas = graph_us([lambda w=w: _scaled_product(x, *w) for w in weights])
-    best = None
-    for config in FP8_SWEEP:
-        got = skinny_linear(x, w_q, None, config, weight_scale=scale).float()
-        err = float((got - want).abs().max() / want.abs().max())
-        us = graph_us(
-            [lambda w=w, c=config: skinny_linear(x, w[0], None, c, weight_scale=w[1]) for w in weights]
-        )
-        if best is None or us < best[0]:
-            best = (us, config, err)
-    return bf16, cublas, *best
+    x_q, x_scale = quantize_rows(x)
+    want = ((x_q.double() @ w_q.double().t()) * x_scale.double() * scale.double().t()).float()
+    gemv = _best(GEMV_SWEEP, lambda w, c: fp8_gemv(*quantize_rows_triton(x), *w, config=c), weights, want,
+                 exact=lambda w, c: fp8_gemv(x_q, x_scale, *w, out_dtype=torch.float32, config=c))  # fmt: skip
+    return bf16, cublas, gemv
 
 
 def _scaled_product(x: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -120,13 +137,13 @@ def _scaled_product(x: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor) -> 
 
 
 def main_fp8() -> None:
-    print("| weight | rows | bf16 cuBLAS us | fp8 cuBLAS us | fp8 skinny us | setting | rel. error |")
-    print("|---|---|---|---|---|---|---|")
-    for rows in (1, 8, 16):
+    print("| weight | rows | bf16 cuBLAS us | fp8 cuBLAS us | fp8 GEMV us | GEMV TB/s | GEMV setting | "
+          "GEMV float32 rel. error |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
+    for rows in (1, 2, 4, 8, 16):
         for name, (n, k) in list(SHAPES.items())[:4]:
-            bf16, cublas, us, config, err = measure_fp8(rows, n, k)
-            print(f"| {name} {n}x{k} | {rows} | {bf16:.2f} | {cublas:.2f} | {us:.2f} | {config} | {err:.1e} |",
-                  flush=True)  # fmt: skip
+            bf16, cublas, (us, config, err) = measure_fp8(rows, n, k)
+            print(f"| {name} {n}x{k} | {rows} | {bf16:.2f} | {cublas:.2f} | {us:.2f} | "
+                  f"{n * k / us / 1e6:.2f} | {config} | {err:.1e} |", flush=True)  # fmt: skip
 
 
 def main() -> None:

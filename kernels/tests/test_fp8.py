@@ -70,21 +70,17 @@ def test_triton_quantization_matches_torch_bit_for_bit_gpu(
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 2, 300])
+@pytest.mark.parametrize("rows", [1, 2, 16, 17, 300])
 def test_gpu_product_is_the_dequantized_product_gpu(rows: int) -> None:
-    """One row takes the skinny kernel with x as it is; more, cuBLAS's fp8 product of quantized rows."""
+    """Up to 16 rows take kernels/fp8_gemv.py, more cuBLAS's fp8 product; both quantize x's rows."""
     x = _randn(rows, 1024, seed=7, dtype=torch.bfloat16)
     w_q, w_scale = quantize_rows(_randn(2048, 1024, seed=8, scale=0.02))
     got = fp8_linear(x.cuda(), w_q.cuda(), w_scale.cuda()).cpu()
-    if rows == 1:
-        x_used = x.double()
-    else:
-        x_q, x_scale = quantize_rows(x)
-        x_used = x_q.double() * x_scale.double()
-        # The CPU's quantization is the GPU's, bit for bit.
-        on_gpu = quantize_rows(x.cuda())
-        assert torch.equal(on_gpu[0].cpu().view(torch.uint8), x_q.view(torch.uint8))
-        assert torch.equal(on_gpu[1].cpu(), x_scale)
-    want = (x_used @ (w_q.double() * w_scale.double()).t()).to(torch.bfloat16)
+    x_q, x_scale = quantize_rows(x)
+    # The CPU's quantization is the GPU's, bit for bit.
+    on_gpu = quantize_rows(x.cuda())
+    assert torch.equal(on_gpu[0].cpu().view(torch.uint8), x_q.view(torch.uint8))
+    assert torch.equal(on_gpu[1].cpu(), x_scale)
+    want = ((x_q.double() * x_scale.double()) @ (w_q.double() * w_scale.double()).t()).to(torch.bfloat16)
     # Exact products, float32 sums in some order, one rounding to bf16: at most a unit apart.
     torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-3)

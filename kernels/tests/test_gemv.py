@@ -33,17 +33,3 @@ def test_strided_rows_and_default_config(device):
     wide, w = torch.randn(1, 300, generator=gen), torch.randn(70, 200, generator=gen)
     x = wide[:, 50:250]
     assert max_abs_err(skinny_linear(x.to(device), w.to(device)).cpu(), F.linear(x, w)) <= 1e-4
-
-
-@pytest.mark.parametrize("rows", [1, 8])
-def test_fp8_weights_are_scaled_per_row(device, rows):
-    """fp8 weights with a scale per row (--quantize fp8): the product of x and the dequantized weight."""
-    from tgserve.kernels.fp8 import quantize_rows
-
-    gen = torch.Generator().manual_seed(rows)
-    x, w = torch.randn(rows, 160, generator=gen), torch.randn(48, 160, generator=gen) * 0.05
-    b = torch.randn(48, generator=gen)
-    w_q, scale = quantize_rows(w)
-    want = F.linear(x, w_q.float() * scale, b)
-    got = skinny_linear(x.to(device), w_q.to(device), b.to(device), weight_scale=scale.to(device))
-    assert max_abs_err(got.cpu(), want) <= 1e-4
