@@ -75,6 +75,19 @@ def make_paged_batch(
     )
 
 
+def to_device(t: torch.Tensor, device: str | torch.device) -> torch.Tensor:
+    """t on device with its strides kept, the memory between its elements NaN where the dtype has
+    one. `Tensor.to` gives a strided view's copy contiguous strides, so a test of a kernel on views
+    (a fused QKV projection's parts, a row slice) would test contiguous inputs on a GPU; on the CPU
+    it returns the view itself, whose gaps hold real numbers that a stray read would not show."""
+    if t.numel() == 0 or 0 in t.stride():  # nothing to keep, or a broadcast view (copy_ refuses overlap)
+        return t.to(device)
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    fill = float("nan") if t.is_floating_point() else 0
+    storage = torch.full((extent,), fill, device=device).to(t.dtype)
+    return storage.as_strided(t.shape, t.stride()).copy_(t)
+
+
 def max_abs_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """Largest elementwise difference, in float32."""
     return (a.float() - b.float()).abs().max().item() if a.numel() else 0.0

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tgserve.kernels.argmax import argmax_rows
+from tgserve.kernels.testing import to_device
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -33,4 +34,4 @@ def test_strided_rows(device):
     gen = torch.Generator().manual_seed(1)
     wide = torch.randn(3, 200, generator=gen)
     view = wide[:, 20:170]
-    assert torch.equal(argmax_rows(view.to(device)).cpu(), view.argmax(dim=-1))
+    assert torch.equal(argmax_rows(to_device(view, device)).cpu(), view.argmax(dim=-1))

@@ -14,6 +14,7 @@ import torch
 
 from tgserve.kernels.fp8 import quantize_rows
 from tgserve.kernels.fp8_gemv import MAX_ROWS, fp8_gemv
+from tgserve.kernels.testing import to_device
 
 
 def _operands(rows: int, n: int, k: int, seed: int):
@@ -54,7 +55,7 @@ def test_strided_rows_and_the_default_config(device):
     (x_q, x_scale), (w_q, w_scale), _ = _operands(3, 300, 512, seed=9)
     wide = torch.zeros(3, 1024, dtype=x_q.dtype)
     wide[:, 256:768] = x_q
-    got = fp8_gemv(wide[:, 256:768].to(device), x_scale.to(device), w_q.to(device), w_scale.to(device),
+    got = fp8_gemv(to_device(wide[:, 256:768], device), x_scale.to(device), w_q.to(device), w_scale.to(device),
                    out_dtype=torch.float32)  # fmt: skip
     _assert_close(got, x_q, x_scale, w_q, w_scale)
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from tgserve.kernels.gemv import skinny_linear
-from tgserve.kernels.testing import max_abs_err
+from tgserve.kernels.testing import max_abs_err, to_device
 
 ATOL = {torch.float32: 1e-4, torch.float16: 2e-2}
 
@@ -32,4 +32,4 @@ def test_strided_rows_and_default_config(device):
     gen = torch.Generator().manual_seed(5)
     wide, w = torch.randn(1, 300, generator=gen), torch.randn(70, 200, generator=gen)
     x = wide[:, 50:250]
-    assert max_abs_err(skinny_linear(x.to(device), w.to(device)).cpu(), F.linear(x, w)) <= 1e-4
+    assert max_abs_err(skinny_linear(to_device(x, device), w.to(device)).cpu(), F.linear(x, w)) <= 1e-4

@@ -7,6 +7,7 @@ import torch
 
 from tgserve.kernels import reference
 from tgserve.kernels.kv_write import write_kv
+from tgserve.kernels.testing import to_device
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -35,5 +36,5 @@ def test_write_kv_int32_slots_and_strided_inputs(device):
     expected = cache.clone()
     reference.write_kv(key, value, expected, slots)
     got = cache.to(device)
-    write_kv(key.to(device), value.to(device), got, slots.to(device))
+    write_kv(to_device(key, device), to_device(value, device), got, slots.to(device))
     torch.testing.assert_close(got.cpu(), expected, rtol=0, atol=0)

@@ -8,7 +8,7 @@ import torch
 from tgserve.kernels import reference
 from tgserve.kernels.paged_decode import paged_decode, split_counters
 from tgserve.kernels.paged_prefill import paged_prefill, varlen_prefill
-from tgserve.kernels.testing import make_paged_batch, max_abs_err
+from tgserve.kernels.testing import make_paged_batch, max_abs_err, to_device
 
 ATOL = {torch.float32: 2e-5, torch.float16: 4e-3}
 # (num_heads, num_kv_heads): MHA, GQA 4, GQA 8, MQA.
@@ -134,7 +134,7 @@ def test_varlen_prefill_takes_keys_and_values_of_different_layouts(device):
     v = v.view(total, kv_heads, dim)
     cu = torch.tensor([0, 25, 40], dtype=torch.int32)
     want = reference.varlen_attention(q, k, v, cu, 0.2, 16)
-    got = varlen_prefill(q.to(device), k.to(device), v.to(device), cu.to(device), 0.2, 16)
+    got = varlen_prefill(q.to(device), k.to(device), to_device(v, device), cu.to(device), 0.2, 16)
     _check(got, want, torch.float32)
 
 
