@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tgserve import LLM, SamplingParams
 from tgserve.server.engine import EngineArgs, LLMEngine
 from tgserve.server.testing.agreement import (
     GAP_LIMIT_ULPS,
@@ -25,7 +26,7 @@ from tgserve.server.testing.agreement import (
     whole_sequence_logits,
     whole_sequence_picks,
 )
-from tgserve.server.testing.fixtures import FIXTURE_ARCHITECTURES, fixture_path
+from tgserve.server.testing.fixtures import FIXTURE_ARCHITECTURES, fixture_path, write_fp8_checkpoint
 
 from .parity import assert_scenario_parity, build_requests
 
@@ -163,8 +164,8 @@ def test_bf16_steps_agree_with_transformers_bf16_smollm2() -> None:
 
 
 def test_fp8_smollm2_keeps_most_greedy_steps_and_graphs_change_no_token() -> None:
-    """--quantize fp8 on CUDA (fp8 tensor cores, the Triton per-row activation quantization, the
-    skinny kernel at one row): 32 prompts x 32 greedy steps, teacher-forced against the unquantized
+    """--quantize fp8 on CUDA (the Triton per-row activation quantization, then cuBLAS's fp8 product,
+    or kernels/fp8_gemv.py up to 16 rows): 32 prompts x 32 greedy steps, teacher-forced against the unquantized
     bf16 engine's tokens as the CPU test measures it (CPU: 458/512 at 16 prompts), and the same
     tokens with CUDA graphs on and off."""
     gguf = smollm2_gguf()
@@ -185,3 +186,30 @@ def test_fp8_smollm2_keeps_most_greedy_steps_and_graphs_change_no_token() -> Non
             assert agree >= 0.85 * 1024
         del engine
     assert picks[True] == picks[False]
+
+
+@pytest.mark.parametrize("strategy", ["channel", "tensor"])
+def test_an_fp8_checkpoint_on_cuda_serves_as_quantize_fp8_does(strategy: str, tmp_path: Path) -> None:
+    """A checkpoint written as llm-compressor writes FP8 models loads its e4m3 rows and scales on the
+    GPU as they are. With a scale per row it holds what --quantize fp8 computes, so the two engines
+    give the same prompt log-probabilities and tokens, with CUDA graphs; with a scale per tensor it
+    serves, graphs on and off alike."""
+    checkpoint = write_fp8_checkpoint(fixture_path("llama"), tmp_path / "fp8", strategy)
+    texts = ["Once upon a time there was a little dog", "The sea", "One two three four five six seven " * 4]
+    ask = SamplingParams(temperature=0.0, max_new_tokens=8, prompt_logprobs=0, ignore_eos=True)
+    outputs = {}
+    for name, model, quantize, graphs in [
+        ("checkpoint", checkpoint, None, True),
+        ("checkpoint eager", checkpoint, None, False),
+        ("quantized", fixture_path("llama"), "fp8", True),
+    ]:
+        # float32, the fixture's dtype: --quantize fp8 then quantizes the very weights the checkpoint holds
+        llm = LLM(str(model), quantize=quantize, dtype="float32", cuda_graphs=graphs, **TIGHT)
+        assert llm.engine.runner.model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
+        outputs[name] = [
+            (out.token_ids, [t.logprob for t in out.prompt_logprobs[1:]]) for out in llm.generate(texts, ask)
+        ]
+        del llm
+    assert outputs["checkpoint"] == outputs["checkpoint eager"]
+    if strategy == "channel":
+        assert outputs["checkpoint"] == outputs["quantized"]
