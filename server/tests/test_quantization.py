@@ -24,6 +24,7 @@ from tgserve.server.testing.agreement import (
     engine_greedy,
 )
 from tgserve.server.testing.fixtures import fixture_path, write_fp8_checkpoint
+from tgserve.server.testing.smollm2 import smollm2_checkpoint
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
 
@@ -174,11 +175,13 @@ def test_fp8_smollm2_keeps_nine_greedy_steps_in_ten() -> None:
     """SmolLM2-135M-Instruct in fp8 against itself unquantized, teacher-forced over 8 chat prompts x 32
     greedy steps. (Measured on CPU, 16 prompts: fp8 458/512, bf16 497/512. A product without its
     scales agrees on none.)"""
-    plain = LLM(max_num_seqs=8)  # from its GGUF
+    # The GGUF's weights converted once (tests of the GGUF path read the file itself, tens of seconds)
+    checkpoint = str(smollm2_checkpoint())
+    plain = LLM(checkpoint, max_num_seqs=8)
     prompts = chat_prompts(plain.tokenizer, TOPICS[:8])
     tokens = engine_greedy(plain.engine, prompts, 32)
     del plain
-    fp8 = LLM(quantize="fp8", max_num_seqs=8)
+    fp8 = LLM(checkpoint, quantize="fp8", max_num_seqs=8)
     agree = count_agreeing(engine_forced_picks(fp8.engine, prompts, tokens), tokens)
     print(f"fp8 SmolLM2: {agree}/256 greedy steps agree with the unquantized model")
     assert agree >= 0.85 * 256
