@@ -59,11 +59,13 @@ def start_workers(args: EngineArgs, init_method: str) -> list[mp.process.BasePro
 
 def worker_main(rank: int, args: EngineArgs, init_method: str) -> None:
     from tgserve.server.engine import load_model_description
+    from tgserve.server.gguf_parsing import parsed_once
     from tgserve.server.model_shard import build_shard
 
     tp = init_tensor_parallel(rank, args.tensor_parallel_size, init_method)
-    described = load_model_description(args)
-    shard = build_shard(args, described, shard_device(described.device, rank), tp)
+    with parsed_once():  # a GGUF file's config and weights from one parse
+        described = load_model_description(args)
+        shard = build_shard(args, described, shard_device(described.device, rank), tp)
     # Each step is launched before the last one's tokens are read, as rank 0 does with async
     # scheduling: a worker whose host waited for its GPU would hold every rank at the next collective.
     in_flight = None
