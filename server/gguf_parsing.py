@@ -4,8 +4,9 @@ transformers reads a GGUF file from the start (`gguf.GGUFReader`, every metadata
 Python, the tokenizer's vocabulary and merges among them) once for the config, again for the
 tokenizer and again for the weights, and while it maps the weights' names it rebuilds gguf's table
 of tensor names for every submodule of the model (397 times for SmolLM2). On a 2-core AVX2 host the
-default model (SmolLM2-135M, a 98 MB file) took 40 s to load offline and a server 43-47 s to be
-ready, most of it those three parses and 397 tables; with them made once, 17-19 s and 22 s.
+default model (SmolLM2-135M, a 98 MB file) took 31-33 s to load offline and a server 35 s to be
+ready, most of it those three parses and 397 tables; with them made once, 15-16 s and 18 s
+(docs/benchmarks/2026-12-01-gguf-startup-and-suite-time-cpu.md).
 
 Inside `parsed_once()` the reader of each file and the table of each architecture are made once and
 handed out again. Both are only read by transformers (fields, tensor records, name lookups), and it

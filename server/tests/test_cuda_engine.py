@@ -165,9 +165,9 @@ def test_bf16_steps_agree_with_transformers_bf16_smollm2() -> None:
 
 def test_fp8_smollm2_keeps_most_greedy_steps_and_graphs_change_no_token() -> None:
     """--quantize fp8 on CUDA (the Triton per-row activation quantization, then cuBLAS's fp8 product,
-    or kernels/fp8_gemv.py up to 16 rows): 32 prompts x 32 greedy steps, teacher-forced against the unquantized
-    bf16 engine's tokens as the CPU test measures it (CPU: 458/512 at 16 prompts), and the same
-    tokens with CUDA graphs on and off."""
+    or kernels/fp8_gemv.py up to 16 rows): 32 prompts x 32 greedy steps, teacher-forced against the
+    unquantized bf16 engine's tokens as the CPU test measures it (CPU: 458/512 at 16 prompts), and
+    the same tokens with CUDA graphs on and off."""
     gguf = smollm2_gguf()
     plain = LLMEngine(EngineArgs(model=str(gguf), max_num_seqs=32, device="cuda"))
     prompts = chat_prompts(plain.tokenizer)
