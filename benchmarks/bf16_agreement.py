@@ -24,7 +24,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tgserve.kernels import dispatch, reference
-from tgserve.server.engine import EngineArgs, LLMEngine
+from tgserve.server.config.engine_args import EngineArgs
+from tgserve.server.engine.llm_engine import LLMEngine
 from tgserve.server.testing.agreement import (
     TOPICS,
     chat_prompts,
@@ -37,25 +38,23 @@ from tgserve.server.testing.agreement import (
 )
 
 
-def torch_attention(upcast: bool):
-    """dispatch.paged_attention's signature over the torch twin (fp32 or bf16 softmax)."""
+def torch_attention(upcast: bool) -> dict:
+    """dispatch.paged_decode and dispatch.paged_prefill over the torch twin (fp32 or bf16 softmax)."""
 
-    def attend(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window=None,
-               softcap=None, max_query_len=None, max_seq_len=None, out=None):  # fmt: skip
-        result = reference.paged_attention(
-            query,
-            kv_cache,
-            block_tables,
-            query_start_loc,
-            seq_lens,
-            scale,
-            sliding_window,
-            softcap,
-            upcast=upcast,
-        )
+    def prefill(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window=None,
+                softcap=None, out=None):  # fmt: skip
+        result = reference.paged_attention(query, kv_cache, block_tables, query_start_loc, seq_lens, scale,
+                                           sliding_window, softcap, upcast=upcast)  # fmt: skip
         return result if out is None else out.copy_(result)
 
-    return attend
+    def decode(query, kv_cache, block_tables, seq_lens, scale, sliding_window=None, softcap=None,
+               max_seq_len=None, step_kv=None, out=None):  # fmt: skip
+        if step_kv is not None:
+            reference.write_kv(*step_kv[:2], kv_cache, step_kv[2])
+        starts = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
+        return prefill(query, kv_cache, block_tables, starts, seq_lens, scale, sliding_window, softcap, out)
+
+    return {"paged_decode": decode, "paged_prefill": prefill}
 
 
 def variants() -> dict[str, dict]:
@@ -64,8 +63,8 @@ def variants() -> dict[str, dict]:
         "torch norms": {"rms_norm": reference.rms_norm, "fused_add_rms_norm": reference.fused_add_rms_norm},
         "torch rotary": {"rotary": reference.rotary},
         "torch silu": {"silu_and_mul": reference.silu_and_mul},
-        "torch attention fp32": {"paged_attention": torch_attention(True)},
-        "torch attention bf16": {"paged_attention": torch_attention(False)},
+        "torch attention fp32": torch_attention(True),
+        "torch attention bf16": torch_attention(False),
     }
     every = {
         k: v for name, patch in single.items() if name != "torch attention bf16" for k, v in patch.items()

@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine_cuda import prompts, run_engine, write_model_dir  # noqa: E402
 
-from tgserve.server.engine import EngineArgs, LLMEngine  # noqa: E402
+from tgserve.server.config.engine_args import EngineArgs  # noqa: E402
+from tgserve.server.engine.llm_engine import LLMEngine  # noqa: E402
 
 CASES = ((1, 7000), (2, 7000), (4, 7000), (8, 7000), (16, 7000), (8, 1000), (16, 1000))
 NEW_TOKENS = 64

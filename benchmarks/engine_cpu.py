@@ -20,9 +20,10 @@ from pathlib import Path
 
 import torch
 
-from tgserve.server.default_model import default_model_gguf
-from tgserve.server.engine import EngineArgs, LLMEngine
-from tgserve.server.sampling_params import SamplingParams
+from tgserve.server.config.engine_args import EngineArgs
+from tgserve.server.engine.llm_engine import LLMEngine
+from tgserve.server.loading.default_model import default_model_gguf
+from tgserve.server.protocol.params import SamplingParams
 
 
 def random_prompts(rng: random.Random, lengths: list[int], vocab: int) -> list[list[int]]:

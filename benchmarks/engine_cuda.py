@@ -25,8 +25,9 @@ from pathlib import Path
 
 import torch
 
-from tgserve.server.engine import EngineArgs, LLMEngine
-from tgserve.server.sampling_params import SamplingParams
+from tgserve.server.config.engine_args import EngineArgs
+from tgserve.server.engine.llm_engine import LLMEngine
+from tgserve.server.protocol.params import SamplingParams
 
 LLAMA3_8B = dict(
     architectures=["LlamaForCausalLM"],
@@ -206,7 +207,7 @@ def long_prompt_section(args: argparse.Namespace, model_dir: Path) -> dict[str, 
             quantize=args.quantize,
         )
     )
-    backend = engine.runner.backend
+    backend = engine.runner.forward.backend
     sparse = backend.sparse
     results = {}
     runs = (

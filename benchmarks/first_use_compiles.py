@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import engine_cuda as bench  # noqa: E402
 
 from tgserve.kernels.testing import compiled_kernel_name  # noqa: E402
-from tgserve.server.engine import EngineArgs, LLMEngine  # noqa: E402
+from tgserve.server.config.engine_args import EngineArgs  # noqa: E402
+from tgserve.server.engine.llm_engine import LLMEngine  # noqa: E402
 
 PHASES = [
     ("a", 1, 512, 256, 0),

@@ -3,7 +3,7 @@
     python benchmarks/gguf_startup.py [--model FILE.gguf] [--repeats 2]
 
 Each measure runs in a fresh Python process, as a user's start does (imports included). Offline:
-`LLM(model)` until it returns, with server/gguf_parsing.py's `parsed_once` in place and, as the
+`LLM(model)` until it returns, with server/loading/gguf_parsing.py's `parsed_once` in place and, as the
 baseline in the same run, replaced by a block that does nothing (transformers then parses the file
 for the config, the tokenizer and the weights, as before); both must give the same greedy tokens.
 Server: `tgserve serve` from its launch until `/health` answers 200 (the current code only; run the
@@ -23,7 +23,7 @@ import urllib.request
 
 OFFLINE = """
 import contextlib, json, sys, time
-import tgserve.server.engine as engine
+import tgserve.server.engine.factory as engine
 if sys.argv[2] == "off":
     engine.parsed_once = contextlib.nullcontext
 from tgserve import LLM, SamplingParams

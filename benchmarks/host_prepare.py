@@ -17,8 +17,9 @@ import time
 
 import torch
 
-from tgserve.server.engine import EngineArgs, LLMEngine
-from tgserve.server.sampling_params import SamplingParams
+from tgserve.server.config.engine_args import EngineArgs
+from tgserve.server.engine.llm_engine import LLMEngine
+from tgserve.server.protocol.params import SamplingParams
 from tgserve.server.testing.fixtures import fixture_path
 
 
@@ -38,7 +39,7 @@ def forwardless_engine(tokens: int, max_prompt: int, **engine_args) -> LLMEngine
     engine = LLMEngine(EngineArgs(model=str(fixture_path("llama")), device="cpu", max_num_batched_tokens=tokens,
                                   num_blocks=tokens // 16 + 64, **engine_args))  # fmt: skip
     engine.max_model_len = engine.scheduler._max_len = max_prompt + 16  # the fixture allows 512
-    engine.runner._run = lambda inputs: torch.zeros(inputs.logits_indices.shape[0], engine.vocab_size)
+    engine.runner.executor.run = lambda inputs: torch.zeros(inputs.logits_indices.shape[0], engine.vocab_size)
     return engine
 
 

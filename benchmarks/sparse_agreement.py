@@ -25,8 +25,9 @@ from pathlib import Path
 
 import torch
 
-from tgserve.server.engine import EngineArgs, LLMEngine
-from tgserve.server.sampling_params import SamplingParams
+from tgserve.server.config.engine_args import EngineArgs
+from tgserve.server.engine.llm_engine import LLMEngine
+from tgserve.server.protocol.params import SamplingParams
 
 ROPE_FACTOR = 4.0
 
@@ -35,7 +36,7 @@ def write_scaled_model(gguf: Path, out: Path, context: int) -> None:
     """The GGUF's model as bf16 safetensors, its RoPE scaled linearly to `context` positions."""
     from transformers import AutoModelForCausalLM
 
-    from tgserve.server.loader import ModelSource, load_tokenizer
+    from tgserve.server.loading.source import ModelSource, load_tokenizer
 
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
     config = model.config
@@ -110,7 +111,7 @@ def main() -> None:
                 gpu_memory_utilization=0.5,
             )
         )
-        backend = engine.runner.backend
+        backend = engine.runner.forward.backend
         sparse_config = getattr(backend, "sparse", None)  # only the cuda backend has sparse prefill
         prompts = long_prompts(engine, args.prompts, args.prompt_tokens)
         continuation(engine, prompts[0][:4096], 2, "warm-up")

@@ -5,7 +5,8 @@ importing this module never imports Triton (a CPU process, or a test run that mu
 TRITON_INTERPRET before the first @triton.jit, stays unaffected).
 
     write_kv          this step's keys/values into the paged cache (slot -1 skipped)
-    paged_attention   varlen queries over the paged cache: decode, chunked prefill, prefix hits
+    paged_decode      one query per sequence over the paged cache (stores the step's keys itself)
+    paged_prefill     varlen queries over the paged cache: chunked prefill, prefix hits, mixed steps
     fresh_prefill     prompts with no cached prefix: dense (library kernel) or sparse when long
     rms_norm, fused_add_rms_norm, rotary, silu_and_mul
                       a decoder layer's elementwise glue, one fused kernel each on CUDA
@@ -13,6 +14,9 @@ TRITON_INTERPRET before the first @triton.jit, stays unaffected).
                       fp8 weights (--quantize fp8) through fp8.fp8_linear
     argmax            greedy decoding's pick per row (two short launches instead of torch's one
                       block per row)
+
+Which of the three attention paths a step takes is the attention backend's choice, made once per
+step (`server/attention/cuda.py`); each entry point here runs the one it is asked for.
 """
 
 from __future__ import annotations
@@ -40,7 +44,38 @@ def write_kv(
         reference.write_kv(key, value, kv_cache, slot_mapping)
 
 
-def paged_attention(
+def paged_decode(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim]: one query per sequence, its last position
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # int32 [num_seqs, max_blocks_per_seq]
+    seq_lens: torch.Tensor,  # int32 [num_seqs]
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    max_seq_len: int | None = None,
+    step_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One query per sequence over its paged context: the split-context decode kernel on CUDA.
+
+    max_seq_len: a host-side bound on seq_lens that sizes the kernel's context splits. step_kv:
+    this step's (key, value, slot_mapping), stored into the cache first; the CUDA kernel stores
+    them itself (one launch a layer fewer at batch-1 decode).
+    """
+    if use_triton(query):
+        from tgserve.kernels.paged_decode import paged_decode as triton_paged_decode
+
+        return triton_paged_decode(query, kv_cache, block_tables, seq_lens, scale, sliding_window, softcap, out,
+                                   max_seq_len=max_seq_len, step_kv=step_kv)  # fmt: skip
+    if step_kv is not None:
+        reference.write_kv(*step_kv[:2], kv_cache, step_kv[2])
+    one_query_each = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
+    result = reference.paged_attention(query, kv_cache, block_tables, one_query_each, seq_lens, scale,
+                                       sliding_window, softcap)  # fmt: skip
+    return result if out is None else out.copy_(result)
+
+
+def paged_prefill(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     block_tables: torch.Tensor,  # int32 [num_seqs, max_blocks_per_seq]
@@ -49,34 +84,18 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
-    max_query_len: int | None = None,
-    max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
-    step_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Attention of each sequence's queries (its last positions) over its paged context.
+    """Each sequence's queries (its last positions) over its paged context, this step's keys and
+    values already stored: chunked prefill, prefix hits, prompts beside decode rows."""
+    if use_triton(query):
+        from tgserve.kernels.paged_prefill import paged_prefill as triton_paged_prefill
 
-    max_query_len / max_seq_len are optional host-side hints: a pure decode batch
-    (max_query_len == 1) takes the split-context decode kernel; max_seq_len sizes its splits.
-    step_kv: this step's (key, value, slot_mapping), stored into the cache first; the decode kernel
-    stores them itself (one launch a layer fewer at batch-1 decode).
-    """
-    decode = use_triton(query) and max_query_len == 1 and query.shape[0] == seq_lens.shape[0]
-    if step_kv is not None and not decode:
-        write_kv(step_kv[0], step_kv[1], kv_cache, step_kv[2])
-    if not use_triton(query):
-        result = reference.paged_attention(query, kv_cache, block_tables, query_start_loc, seq_lens, scale,
-                                           sliding_window, softcap)  # fmt: skip
-        return result if out is None else out.copy_(result)
-    if decode:
-        from tgserve.kernels.paged_decode import paged_decode
-
-        return paged_decode(query, kv_cache, block_tables, seq_lens, scale, sliding_window, softcap, out,
-                            max_seq_len=max_seq_len, step_kv=step_kv)  # fmt: skip
-    from tgserve.kernels.paged_prefill import paged_prefill
-
-    return paged_prefill(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window,
-                         softcap, out)  # fmt: skip
+        return triton_paged_prefill(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window,
+                                    softcap, out)  # fmt: skip
+    result = reference.paged_attention(query, kv_cache, block_tables, query_start_loc, seq_lens, scale,
+                                       sliding_window, softcap)  # fmt: skip
+    return result if out is None else out.copy_(result)
 
 
 def _flash_attn_varlen():

@@ -1,7 +1,7 @@
 """fp8 products of a few rows (decode at small batches) on fp8 tensor cores, weight rows as the tile's
 long side: y[M, N] = (x_q[M, K] sx) (w_q[N, K] sw)^T, M at most 16.
 
-Twin: `fp8._dequantized_product` (the sums in float32, then both scales).
+Twin: `fp8_format.dequantized_product` (the sums in float32, then both scales).
 
 cuBLAS's fp8 product tiles the rows of x by 64 or more, so at one row it computes mostly padding
 and, on a 4096-wide weight, runs on few blocks; the skinny kernel (kernels/gemv.py) converts every
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tgserve.kernels.fp8 import GEMV_MAX_ROWS as MAX_ROWS  # the MMA's short side
+from tgserve.kernels.fp8_format import GEMV_MAX_ROWS as MAX_ROWS  # the MMA's short side
 from tgserve.kernels.triton_common import pdl, wait_for_inputs
 
 

@@ -1,6 +1,6 @@
 """Triton per-row fp8 quantization of a step's activations: one launch instead of torch's six.
 
-Twin: `fp8.quantize_rows`, matched bit for bit. The scale is amax * (1 / 448) in float32, the
+Twin: `fp8_format.quantize_rows`, matched bit for bit. The scale is amax * (1 / 448) in float32, the
 division by it is correctly rounded (`div_rn`) as torch's is, and the conversion to e4m3 rounds to
 nearest even as torch's does. A whole row sits in one program's registers (projection inputs are at most tens of
 thousands of features), so the row is read once.
@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tgserve.kernels.fp8 import FP8, FP8_MAX, INV_FP8_MAX, TINY_SCALE
+from tgserve.kernels.fp8_format import FP8, FP8_MAX, INV_FP8_MAX, TINY_SCALE
 
 
 @triton.jit

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable, Sequence
 
 import torch
@@ -86,11 +85,21 @@ def wait_for_inputs(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+_pdl_wanted = True  # the engine's `programmatic_dependent_launch` (--programmatic-dependent-launch)
+
+
+def set_programmatic_dependent_launch(enabled: bool) -> None:
+    """Allow (the default) or forbid programmatic dependent launch for kernels launched from now on."""
+    global _pdl_wanted
+    _pdl_wanted = enabled
+    _pdl_on.cache_clear()
+
+
 def pdl(tensor: torch.Tensor) -> dict:
     """Launch arguments for a kernel that calls wait_for_inputs: programmatic dependent launch on
     CUDA devices of compute capability 9+ (its launch overlaps the previous kernel's tail: batch-1
     decode of Llama-3-8B's shape on an H200 went from 4.62 to 4.58 ms a token), off elsewhere and
-    with TGSERVE_PDL=0."""
+    when `set_programmatic_dependent_launch(False)` was called."""
     if tensor.is_cuda and _pdl_on(tensor.device.index or 0):
         return {"PDL": True, "launch_pdl": True}
     return {"PDL": False}
@@ -98,7 +107,7 @@ def pdl(tensor: torch.Tensor) -> dict:
 
 @functools.cache
 def _pdl_on(device_index: int) -> bool:
-    if gdc_wait is None or interpreting() or os.environ.get("TGSERVE_PDL", "1") == "0":
+    if gdc_wait is None or interpreting() or not _pdl_wanted:
         return False
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 

@@ -26,6 +26,7 @@ class RouterConfig:
     served_model_name: str | None = None  # what /v1/models reports; the engine's model id by default
     health_timeout_s: float = 5.0  # how long /health waits for the engine loop to answer
     cors_allow_origin: tuple[str, ...] = ()
+    compute_type: str | None = None  # TGI's x-compute-type; the engine's device when None
 
     def resolve(self, max_model_len: int) -> RouterConfig:
         """Fill the token limits from the engine and check them against each other."""

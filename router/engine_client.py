@@ -18,9 +18,9 @@ import zmq
 import zmq.asyncio
 
 from tgserve.router.errors import EngineUnavailableError, GenerationError, RouterError, ValidationError
-from tgserve.server import protocol as p
-from tgserve.server.outputs import EngineStats, RequestOutput
-from tgserve.server.sampling_params import SamplingParams
+from tgserve.server.protocol import messages as p
+from tgserve.server.protocol.outputs import EngineStats, RequestOutput
+from tgserve.server.protocol.params import SamplingParams
 
 logger = logging.getLogger("tgserve.router.engine")
 

@@ -20,8 +20,8 @@ from tgserve.router.errors import OverloadedError, RouterError
 from tgserve.router.metrics import RouterMetrics
 from tgserve.router.tokenization import RouterTokenizer
 from tgserve.router.validation import GenerationSpec
-from tgserve.server.outputs import RequestOutput, TokenLogprob
-from tgserve.server.sampling_params import SamplingParams
+from tgserve.server.protocol.outputs import RequestOutput, TokenLogprob
+from tgserve.server.protocol.params import SamplingParams
 
 logger = logging.getLogger("tgserve.router")
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from tgserve.router.generation import Generation, SequenceState, TokenInfo, finite_or_none, finite_top
 from tgserve.router.tokenization import RouterTokenizer
-from tgserve.server.outputs import TokenLogprob
+from tgserve.server.protocol.outputs import TokenLogprob
 
 # TGI's finish reasons, in OpenAI's words.
 FINISH_REASONS = {"eos_token": "stop", "stop_sequence": "stop", "length": "length", "abort": "abort"}

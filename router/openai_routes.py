@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,7 +15,7 @@ from tgserve.router.http import EventStreamResponse, parse_json, sse, until_disc
 from tgserve.router.openai_schemas import (
     ChatCompletionRequest,
     CompletionRequest,
-    openai_knobs,
+    openai_sampling,
     template_messages,
 )
 from tgserve.router.state import RouterState, router_state, start_generation
@@ -75,10 +74,10 @@ def completion_specs(state: RouterState, request: CompletionRequest) -> list[Gen
             )
     # best_of ranks sequences by log-probability, so it needs them even when the client does not.
     logprobs = request.logprobs if request.logprobs is not None else (0 if best_of > request.n else None)
-    knobs = openai_knobs(request, state.config, request.max_tokens, logprobs, best_of)
-    if request.echo and request.logprobs is not None:  # echoed prompt tokens carry theirs too
-        knobs = dataclasses.replace(knobs, prompt_logprobs=request.logprobs)
-    return [build_spec(state.config, state.tokenizer, ids, knobs, include_stop=False) for ids in prompts]
+    # Echoed prompt tokens carry their log-probabilities too.
+    prompt_logprobs = request.logprobs if request.echo else None
+    sampling = openai_sampling(request, state.config, request.max_tokens, logprobs, best_of, prompt_logprobs)
+    return [build_spec(state.config, state.tokenizer, ids, sampling, include_stop=False) for ids in prompts]
 
 
 def completion_body(state: RouterState, request: CompletionRequest, generation: Generation) -> dict[str, Any]:
@@ -168,8 +167,8 @@ def chat_specs(state: RouterState, request: ChatCompletionRequest) -> list[Gener
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     if request.top_logprobs and not request.logprobs:
         raise ValidationError("top_logprobs needs logprobs=true", param="top_logprobs")
-    knobs = openai_knobs(request, state.config, max_tokens, logprobs, request.n)
-    return [build_spec(state.config, state.tokenizer, prompt_ids, knobs, include_stop=False)]
+    sampling = openai_sampling(request, state.config, max_tokens, logprobs, request.n)
+    return [build_spec(state.config, state.tokenizer, prompt_ids, sampling, include_stop=False)]
 
 
 def chat_body(state: RouterState, request: ChatCompletionRequest, generation: Generation) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""OpenAI's request shapes (with vLLM's common extensions) and their translation into `Knobs`."""
+"""OpenAI's request shapes (with vLLM's common extensions) and their translation into a `SamplingRequest`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tgserve.router.config import RouterConfig
 from tgserve.router.errors import ValidationError
-from tgserve.router.validation import Knobs
+from tgserve.router.validation import SamplingRequest, sampling_params
 
 # Unknown fields are ignored (OpenAI clients send many); known ones are type-checked strictly.
 STRICT = ConfigDict(extra="ignore", strict=True)
@@ -109,15 +109,19 @@ def logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     return result
 
 
-def openai_knobs(
-    request: SamplingFields, config: RouterConfig, max_tokens: int | None, logprobs: int | None, n: int
-) -> Knobs:
+def openai_sampling(
+    request: SamplingFields,
+    config: RouterConfig,
+    max_tokens: int | None,
+    logprobs: int | None,
+    n: int,
+    prompt_logprobs: int | None = None,
+) -> SamplingRequest:
     """Translate the shared fields; `n` here is the number of engine requests per prompt."""
     if n > config.max_n:
         raise ValidationError(f"n is {n}, more than the server's limit of {config.max_n}", param="n")
     temperature = 1.0 if request.temperature is None else request.temperature
-    return Knobs(
-        max_new_tokens=max_tokens,
+    params = sampling_params(
         temperature=temperature,
         top_k=max(0, request.top_k or 0),  # vLLM's -1 means "off", like 0
         top_p=1.0 if request.top_p is None else request.top_p,
@@ -130,9 +134,10 @@ def openai_knobs(
         stop_token_ids=tuple(request.stop_token_ids or ()),
         ignore_eos=request.ignore_eos,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         logit_bias=logit_bias(request.logit_bias),
-        n=n,
     )
+    return SamplingRequest(params, max_tokens, n)
 
 
 def message_text(message: ChatMessage) -> str:

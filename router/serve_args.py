@@ -37,6 +37,7 @@ class Flag:
     default: Any
     help: str
     aliases: tuple[str, ...] = ()
+    variable: str | None = None  # its environment variable, where that is not the name's
 
     @property
     def dest(self) -> str:
@@ -44,7 +45,12 @@ class Flag:
 
     @property
     def env(self) -> str:
-        return self.name.replace("-", "_").upper()
+        return self.variable or self.name.replace("-", "_").upper()
+
+    @property
+    def variables(self) -> tuple[str, ...]:
+        """Its variable, then its aliases' (older TGI spellings)."""
+        return (self.env, *(alias.replace("-", "_").upper() for alias in self.aliases))
 
 
 FLAGS: tuple[Flag, ...] = (
@@ -97,6 +103,13 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag("cuda-graphs", parse_bool, True, "Replay decode steps as CUDA graphs (CUDA)"),
     Flag(
+        "programmatic-dependent-launch",
+        parse_bool,
+        True,
+        "Launch each decode kernel over the tail of the one before (CUDA, Hopper and later)",
+        variable="TGSERVE_PDL",
+    ),
+    Flag(
         "async-scheduling",
         parse_bool,
         None,
@@ -128,6 +141,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("cors-allow-origin", str, None, "Comma-separated origins allowed by CORS"),
     Flag("huggingface-hub-cache", str, None, "Hub cache directory (default: $HF_HOME/hub)"),
     Flag("health-timeout", float, 5.0, "Seconds /health waits for the engine loop to answer"),
+    Flag(
+        "compute-type", str, None, "What TGI's x-compute-type header reports (default: the engine's device)"
+    ),
     Flag("log-level", str, "info", "debug, info, warning or error"),
 )
 
@@ -137,8 +153,7 @@ def add_serve_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str] 
     env = os.environ if environ is None else environ
     for flag in FLAGS:
         default = flag.default
-        for name in (flag.name, *flag.aliases):
-            variable = name.replace("-", "_").upper()
+        for variable in flag.variables:
             if variable in env:
                 default = flag.kind(env[variable])
                 break
@@ -179,6 +194,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         served_model_name=args.served_model_name,
         health_timeout_s=args.health_timeout,
         cors_allow_origin=origins,
+        compute_type=args.compute_type or None,
     )
 
 
@@ -195,6 +211,7 @@ def engine_args(args: argparse.Namespace) -> dict[str, Any]:
         "trust_remote_code": args.trust_remote_code,
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "cuda_graphs": args.cuda_graphs,
+        "programmatic_dependent_launch": args.programmatic_dependent_launch,
         "sparse_prefill": args.sparse_prefill,
     }
     if args.allow_pickle_weights:

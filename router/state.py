@@ -16,7 +16,7 @@ from tgserve.router.http import read_body
 from tgserve.router.metrics import RouterMetrics
 from tgserve.router.tokenization import RouterTokenizer
 from tgserve.router.validation import GenerationSpec
-from tgserve.server.protocol import EngineReady
+from tgserve.server.protocol.messages import EngineReady
 
 
 @dataclass

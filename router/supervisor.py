@@ -2,7 +2,7 @@
 non-zero when the engine dies (so that a container restarts).
 
 The router process runs one asyncio loop: the ZMQ client, uvicorn, and a watcher of the engine
-process. The engine is `python -m tgserve.server.engine_service`, a child that connects back to
+process. The engine is `python -m tgserve.server.engine.service`, a child that connects back to
 the router's ipc:// sockets and exits by itself if the router disappears.
 """
 
@@ -32,7 +32,7 @@ from tgserve.router.generation import Admission, Generator
 from tgserve.router.metrics import RouterMetrics
 from tgserve.router.state import RouterState
 from tgserve.router.tokenization import RouterTokenizer, chat_renderer
-from tgserve.server.engine_service import EngineServiceConfig
+from tgserve.server.protocol.messages import EngineServiceConfig
 
 logger = logging.getLogger("tgserve.launcher")
 
@@ -56,7 +56,7 @@ def start_engine(args: argparse.Namespace, client: EngineClient, ipc_dir: str) -
     command = [
         sys.executable,
         "-m",
-        "tgserve.server.engine_service",
+        "tgserve.server.engine.service",
         msgspec.json.encode(service_config).decode(),
     ]
     return subprocess.Popen(command, env=serve_args.engine_environment(args))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,20 +12,20 @@ from tgserve.router.errors import RouterError
 from tgserve.router.generation import Generation, SequenceState, TokenInfo, finite_or_none
 from tgserve.router.http import EventStreamResponse, parse_json, sse, until_disconnected
 from tgserve.router.state import RouterState, router_state, start_generation
-from tgserve.router.tgi_schemas import TGIRequest, tgi_knobs, wants_details
+from tgserve.router.tgi_schemas import TGIRequest, tgi_sampling, wants_details
 from tgserve.router.validation import GenerationSpec, build_spec
-from tgserve.server.outputs import TokenLogprob
+from tgserve.server.protocol.outputs import TokenLogprob
 
 router = APIRouter()
 
 
 def build_tgi_spec(state: RouterState, request: TGIRequest, stream: bool) -> GenerationSpec:
     """Tokenize (with `truncate` keeping the prompt's end, as TGI does) and validate."""
-    knobs = tgi_knobs(request.parameters, state.config, stream)
+    sampling = tgi_sampling(request.parameters, state.config, stream)
     prompt_ids = state.tokenizer.encode(request.inputs)
     if request.parameters.truncate is not None:
         prompt_ids = prompt_ids[-request.parameters.truncate :]
-    return build_spec(state.config, state.tokenizer, prompt_ids, knobs, include_stop=True)
+    return build_spec(state.config, state.tokenizer, prompt_ids, sampling, include_stop=True)
 
 
 def token_json(token: TokenInfo) -> dict[str, Any]:
@@ -105,8 +104,9 @@ def generate_response(state: RouterState, request: TGIRequest, generation: Gener
 
 
 def compute_type(state: RouterState) -> str:
-    """TGI's `x-compute-type`: $COMPUTE_TYPE where the deployment names it, else the engine's device."""
-    return os.environ.get("COMPUTE_TYPE") or state.engine.device or "unknown"
+    """TGI's `x-compute-type`: --compute-type ($COMPUTE_TYPE) where the deployment names it, else
+    the engine's device."""
+    return state.config.compute_type or state.engine.device or "unknown"
 
 
 def stream_headers(state: RouterState, request: TGIRequest) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""TGI's request shape and its translation into the router's `Knobs`, with TGI's own rules."""
+"""TGI's request shape and its translation into the router's `SamplingRequest`, with TGI's own rules."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tgserve.router.config import RouterConfig
 from tgserve.router.errors import ValidationError
-from tgserve.router.validation import Knobs
+from tgserve.router.validation import SamplingRequest, sampling_params
 
 STRICT = ConfigDict(extra="ignore", strict=True)
 
@@ -115,14 +115,13 @@ def check_tgi_rules(params: TGIParameters, config: RouterConfig, stream: bool) -
     return best_of
 
 
-def tgi_knobs(params: TGIParameters, config: RouterConfig, stream: bool) -> Knobs:
+def tgi_sampling(params: TGIParameters, config: RouterConfig, stream: bool) -> SamplingRequest:
     """Translate TGI parameters; streams and details always carry log-probabilities, like TGI."""
     best_of = check_tgi_rules(params, config, stream)
     sampling = is_sampling(params)
     wants_logprobs = stream or wants_details(params) or best_of > 1
     logprobs = params.top_n_tokens if params.top_n_tokens else (0 if wants_logprobs else None)
-    return Knobs(
-        max_new_tokens=params.max_new_tokens,
+    sampled = sampling_params(
         temperature=(params.temperature or 1.0) if sampling else 0.0,
         top_k=(params.top_k or 0) if sampling else 0,
         # Passed as given, sampling or not: SamplingParams checks their ranges (a value below 1
@@ -135,5 +134,5 @@ def tgi_knobs(params: TGIParameters, config: RouterConfig, stream: bool) -> Knob
         stop=tuple(params.stop or ()),
         logprobs=logprobs,
         prompt_logprobs=0 if params.decoder_input_details else None,
-        n=best_of,
     )
+    return SamplingRequest(sampled, params.max_new_tokens, best_of)

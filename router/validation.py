@@ -1,44 +1,45 @@
-"""API-neutral request validation: the admission limits, then `SamplingParams`' own checks.
+"""API-neutral request validation: `SamplingParams`' own checks, then the admission limits.
 
-Both APIs translate their parameters into `Knobs`, and `build_spec` turns a tokenized prompt and
-knobs into a `GenerationSpec`, or raises a `ValidationError` whose message names the limit.
+Both APIs translate their parameters into a `SamplingRequest`: the engine's `SamplingParams`, built
+through `sampling_params` so that its range checks answer the client, and what the router decides
+per sequence. `build_spec` turns a tokenized prompt and that request into a `GenerationSpec`, or
+raises a `ValidationError` whose message names the limit.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 from tgserve.router.config import RouterConfig
 from tgserve.router.errors import ValidationError
 from tgserve.router.tokenization import RouterTokenizer
-from tgserve.server.sampling_params import InvalidRequestError, SamplingParams
+from tgserve.server.protocol.params import InvalidRequestError, SamplingParams
 
 # Seeds are 64-bit: TGI takes unsigned ones, vLLM signed ones; both ranges are accepted and a
 # negative seed stands for its unsigned twin (the sampler derives its generators' seeds from 64 bits).
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
 
 
-@dataclass(frozen=True)
-class Knobs:
-    """Sampling and stopping parameters common to both APIs, after each API's own defaults."""
+def sampling_params(**fields: Any) -> SamplingParams:
+    """`SamplingParams(**fields)`; its range checks' message becomes the client's."""
+    try:
+        return SamplingParams(**fields)
+    except InvalidRequestError as exc:
+        raise ValidationError(str(exc)) from exc
 
-    max_new_tokens: int | None = None  # None: whatever --max-total-tokens leaves
-    temperature: float = 1.0  # 0 = greedy
-    top_k: int = 0
-    top_p: float = 1.0
-    typical_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None  # None: none; n: the chosen token's and the n best alternatives'
-    prompt_logprobs: int | None = None  # the same for the prompt's tokens (TGI prefill, OpenAI echo)
-    logit_bias: dict[int, float] = field(default_factory=dict)
+
+@dataclass(frozen=True)
+class SamplingRequest:
+    """One prompt's generation as an API asked for it: the engine's parameters for each of its `n`
+    sequences, but for what `build_spec` sets per sequence: `params.max_new_tokens` (from
+    `max_new_tokens`, or what --max-total-tokens leaves when that is None), the seed (derived from
+    `params.seed`) and prompt scoring (`params.prompt_logprobs`, by the first sequence only)."""
+
+    params: SamplingParams = field(default_factory=SamplingParams)
+    max_new_tokens: int | None = None
     n: int = 1  # engine requests for this prompt (OpenAI's n, TGI's best_of)
 
 
@@ -56,7 +57,7 @@ class GenerationSpec:
         return len(self.prompt_token_ids)
 
 
-def check_limits(config: RouterConfig, num_prompt_tokens: int, knobs: Knobs) -> int:
+def check_limits(config: RouterConfig, num_prompt_tokens: int, request: SamplingRequest) -> int:
     """Check the token and count limits; returns the number of new tokens to allow."""
     if num_prompt_tokens == 0:
         raise ValidationError("the prompt is empty: at least one token is needed", param="prompt")
@@ -66,7 +67,8 @@ def check_limits(config: RouterConfig, num_prompt_tokens: int, knobs: Knobs) -> 
             param="prompt",
         )
     room = config.total_limit - num_prompt_tokens
-    max_new_tokens = room if knobs.max_new_tokens is None else knobs.max_new_tokens
+    max_new_tokens = room if request.max_new_tokens is None else request.max_new_tokens
+    params = request.params
     if max_new_tokens <= 0:
         raise ValidationError(f"max_new_tokens must be positive, got {max_new_tokens}", param="max_tokens")
     if max_new_tokens > room:
@@ -75,80 +77,61 @@ def check_limits(config: RouterConfig, num_prompt_tokens: int, knobs: Knobs) -> 
             f"--max-total-tokens={config.total_limit}",
             param="max_tokens",
         )
-    if len(knobs.stop) > config.max_stop_sequences:
+    if len(params.stop) > config.max_stop_sequences:
         raise ValidationError(
-            f"{len(knobs.stop)} stop sequences given, more than --max-stop-sequences={config.max_stop_sequences}",
+            f"{len(params.stop)} stop sequences given, more than --max-stop-sequences={config.max_stop_sequences}",
             param="stop",
         )
-    if any(not s for s in knobs.stop):
+    if any(not s for s in params.stop):
         raise ValidationError("stop sequences must not be empty strings", param="stop")
-    if knobs.logprobs is not None and not 0 <= knobs.logprobs <= config.max_top_n_tokens:
+    if params.logprobs is not None and not 0 <= params.logprobs <= config.max_top_n_tokens:
         raise ValidationError(
-            f"{knobs.logprobs} top log-probabilities asked for; the range is 0 to "
+            f"{params.logprobs} top log-probabilities asked for; the range is 0 to "
             f"--max-top-n-tokens={config.max_top_n_tokens}",
             param="logprobs",
         )
     return max_new_tokens
 
 
-def sequence_seeds(knobs: Knobs) -> list[int | None]:
+def sequence_seeds(request: SamplingRequest) -> list[int | None]:
     """One seed per sequence: derived from the given seed (reproducible), else drawn at random.
 
     Greedy sequences need none. Sampled ones always get one, so that responses can report it.
     """
-    if knobs.temperature == 0.0:
-        return [None] * knobs.n
-    if knobs.seed is None:
-        return [random.randint(0, MAX_SEED) for _ in range(knobs.n)]
-    if not MIN_SEED <= knobs.seed <= MAX_SEED:
+    seed, n = request.params.seed, request.n
+    if request.params.greedy:
+        return [None] * n
+    if seed is None:
+        return [random.randint(0, MAX_SEED) for _ in range(n)]
+    if not MIN_SEED <= seed <= MAX_SEED:
         raise ValidationError(
-            f"seed must be a 64-bit integer, in [{MIN_SEED}, {MAX_SEED}]; got {knobs.seed}", param="seed"
+            f"seed must be a 64-bit integer, in [{MIN_SEED}, {MAX_SEED}]; got {seed}", param="seed"
         )
-    return [(knobs.seed + i) % (MAX_SEED + 1) for i in range(knobs.n)]
-
-
-def make_params(
-    knobs: Knobs, max_new_tokens: int, seed: int | None, prompt_logprobs: int | None = None
-) -> SamplingParams:
-    """SamplingParams checks its own ranges; its message becomes the client's."""
-    try:
-        return SamplingParams(
-            max_new_tokens=max_new_tokens,
-            temperature=knobs.temperature,
-            top_k=knobs.top_k,
-            top_p=knobs.top_p,
-            typical_p=knobs.typical_p,
-            min_p=knobs.min_p,
-            repetition_penalty=knobs.repetition_penalty,
-            frequency_penalty=knobs.frequency_penalty,
-            presence_penalty=knobs.presence_penalty,
-            seed=seed,
-            stop_token_ids=knobs.stop_token_ids,
-            stop=knobs.stop,
-            ignore_eos=knobs.ignore_eos,
-            logprobs=knobs.logprobs,
-            prompt_logprobs=prompt_logprobs,
-            logit_bias=dict(knobs.logit_bias),
-        )
-    except InvalidRequestError as exc:
-        raise ValidationError(str(exc)) from exc
+    return [(seed + i) % (MAX_SEED + 1) for i in range(n)]
 
 
 def build_spec(
     config: RouterConfig,
     tokenizer: RouterTokenizer,
     prompt_token_ids: list[int],
-    knobs: Knobs,
+    request: SamplingRequest,
     include_stop: bool,
 ) -> GenerationSpec:
     """Validate everything about one prompt's generation, then describe its engine requests."""
-    max_new_tokens = check_limits(config, len(prompt_token_ids), knobs)
+    max_new_tokens = check_limits(config, len(prompt_token_ids), request)
+    shared = request.params
     tokenizer.check_ids(prompt_token_ids, "prompt")
-    tokenizer.check_ids(list(knobs.logit_bias), "logit_bias")
-    tokenizer.check_ids(list(knobs.stop_token_ids), "stop_token_ids")
+    tokenizer.check_ids(list(shared.logit_bias), "logit_bias")
+    tokenizer.check_ids(list(shared.stop_token_ids), "stop_token_ids")
     # The prompt is scored once, by the first of its sequences: the others share its answer.
     params = [
-        make_params(knobs, max_new_tokens, seed, knobs.prompt_logprobs if i == 0 else None)
-        for i, seed in enumerate(sequence_seeds(knobs))
+        dataclasses.replace(
+            shared,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+            prompt_logprobs=shared.prompt_logprobs if i == 0 else None,
+            logit_bias=dict(shared.logit_bias),
+        )
+        for i, seed in enumerate(sequence_seeds(request))
     ]
-    return GenerationSpec(list(prompt_token_ids), params, tuple(knobs.stop), include_stop)
+    return GenerationSpec(list(prompt_token_ids), params, shared.stop, include_stop)

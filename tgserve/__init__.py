@@ -10,17 +10,17 @@ __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:
-    from tgserve.server.llm import LLM
-    from tgserve.server.sampling_params import SamplingParams
+    from tgserve.server.engine.llm import LLM
+    from tgserve.server.protocol.params import SamplingParams
 
 
 def __getattr__(name: str) -> Any:
     if name == "LLM":
-        from tgserve.server.llm import LLM
+        from tgserve.server.engine.llm import LLM
 
         return LLM
     if name == "SamplingParams":
-        from tgserve.server.sampling_params import SamplingParams
+        from tgserve.server.protocol.params import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'tgserve' has no attribute {name!r}")

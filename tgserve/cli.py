@@ -11,7 +11,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     from tgserve.router.bench.cli import add_bench_command
     from tgserve.router.launcher import add_serve_command
-    from tgserve.server.cli_generate import add_generate_command
+    from tgserve.server.engine.cli_generate import add_generate_command
 
     add_generate_command(sub)
     add_serve_command(sub)

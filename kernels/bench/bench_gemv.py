@@ -13,7 +13,7 @@ from this table.
 
 fp8 weights with a scale per row (`--quantize fp8`): kernels/fp8_gemv.py against cuBLAS's fp8
 product (`torch._scaled_mm`) and the bf16 cuBLAS product, at 1 to 16 rows, the rows' quantization
-included in both fp8 columns. `fp8_gemv.launch_config` and `fp8.GEMV_MAX_ROWS` are set from this
+included in both fp8 columns. `fp8_gemv.launch_config` and `fp8_format.GEMV_MAX_ROWS` are set from this
 table; its error column is the float32 output's, where the MMA's own summation shows.
 """
 
@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from tgserve.kernels.fp8 import quantize_rows
+from tgserve.kernels.fp8_format import quantize_rows
 from tgserve.kernels.gemv import skinny_linear
 
 SHAPES = {  # name: (N, K) of the weight

@@ -27,10 +27,17 @@ def test_importing_dispatch_does_not_import_triton(tmp_path):
 
 def test_cpu_paths_are_the_references():
     batch = make_paged_batch([3, 1], [10, 7], 4, 2, 16, 4, seed=1)
-    got = dispatch.paged_attention(batch.query, batch.kv_cache, batch.block_tables, batch.query_start_loc,
-                                   batch.seq_lens, 0.25, 3, 5.0)  # fmt: skip
+    got = dispatch.paged_prefill(batch.query, batch.kv_cache, batch.block_tables, batch.query_start_loc,
+                                 batch.seq_lens, 0.25, 3, 5.0)  # fmt: skip
     want = reference.paged_attention(batch.query, batch.kv_cache, batch.block_tables, batch.query_start_loc,
                                      batch.seq_lens, 0.25, 3, 5.0)  # fmt: skip
+    assert torch.equal(got, want)
+    decode = make_paged_batch([1, 1], [10, 7], 4, 2, 16, 4, seed=2)
+    got = dispatch.paged_decode(
+        decode.query, decode.kv_cache, decode.block_tables, decode.seq_lens, 0.25, 3, 5.0
+    )
+    want = reference.paged_attention(decode.query, decode.kv_cache, decode.block_tables, decode.query_start_loc,
+                                     decode.seq_lens, 0.25, 3, 5.0)  # fmt: skip
     assert torch.equal(got, want)
     cache = torch.zeros_like(batch.kv_cache)
     dispatch.write_kv(batch.key, batch.value, cache, batch.slot_mapping)
@@ -94,3 +101,21 @@ def test_programmatic_dependent_launch_is_off_for_cpu_tensors():
     from tgserve.kernels import triton_common
 
     assert triton_common.pdl(torch.zeros(1)) == {"PDL": False}
+
+
+def test_programmatic_dependent_launch_can_be_turned_off(monkeypatch):
+    """The engine's switch, not the environment, decides: off, no device is even asked."""
+    from tgserve.kernels import triton_common
+
+    monkeypatch.setattr(triton_common, "interpreting", lambda: False)
+    monkeypatch.setattr(triton_common, "gdc_wait", object())
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: asked.append(index) or (9, 0))
+    try:
+        triton_common.set_programmatic_dependent_launch(False)
+        assert triton_common._pdl_on(0) is False and not asked
+        triton_common.set_programmatic_dependent_launch(True)
+        assert triton_common._pdl_on(0) is True and asked == [0]
+    finally:
+        triton_common.set_programmatic_dependent_launch(True)
+        triton_common._pdl_on.cache_clear()

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tgserve.kernels import dispatch
-from tgserve.kernels.fp8 import FP8, FP8_MAX, fp8_linear, quantize_rows
+from tgserve.kernels.fp8 import fp8_linear
+from tgserve.kernels.fp8_format import FP8, FP8_MAX, quantize_rows
 
 
 def _randn(*shape: int, seed: int, scale: float = 1.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tgserve.kernels.fp8 import quantize_rows
+from tgserve.kernels.fp8_format import quantize_rows
 from tgserve.kernels.fp8_gemv import MAX_ROWS, fp8_gemv
 from tgserve.kernels.testing import to_device
 

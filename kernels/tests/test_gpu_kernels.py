@@ -35,8 +35,8 @@ def test_decode_gpu(dtype, heads, head_dim, window, softcap):
     seq_lens = [1, 15, 16, 17, 300, 1024, 4096, 2500]
     batch = make_paged_batch([1] * len(seq_lens), seq_lens, *heads, head_dim, 16, dtype, "cuda", seed=1)
     exact, low = _paged_refs(batch, head_dim**-0.5, window, softcap)
-    got = dispatch.paged_attention(batch.query, batch.kv_cache, batch.block_tables, batch.query_start_loc,
-                                   batch.seq_lens, head_dim**-0.5, window, softcap, max_query_len=1)  # fmt: skip
+    got = dispatch.paged_decode(batch.query, batch.kv_cache, batch.block_tables, batch.seq_lens, head_dim**-0.5,
+                                window, softcap)  # fmt: skip
     _flash_rule(got, exact, low)
 
 
@@ -47,8 +47,8 @@ def test_paged_prefill_gpu(dtype, heads, window, softcap):
     q_lens, seq_lens = [1000, 1, 513, 64, 0, 2048], [1000, 3000, 1537, 64, 10, 2100]
     batch = make_paged_batch(q_lens, seq_lens, *heads, 128, 16, dtype, "cuda", seed=2)
     exact, low = _paged_refs(batch, 0.088, window, softcap)
-    got = dispatch.paged_attention(batch.query, batch.kv_cache, batch.block_tables, batch.query_start_loc,
-                                   batch.seq_lens, 0.088, window, softcap)  # fmt: skip
+    got = dispatch.paged_prefill(batch.query, batch.kv_cache, batch.block_tables, batch.query_start_loc,
+                                 batch.seq_lens, 0.088, window, softcap)  # fmt: skip
     _flash_rule(got, exact, low)
 
 

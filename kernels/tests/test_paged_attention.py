@@ -226,17 +226,29 @@ def test_decode_stores_the_step_kv_before_reading_it(device, dtype, splits, wind
     _check_same_cache(cache, batch.kv_cache)
 
 
-@pytest.mark.parametrize("q_lens", [[1, 1, 1], [3, 1, 2]], ids=["decode", "prefill"])
-def test_dispatch_stores_the_step_kv_on_every_path(device, q_lens):
-    """dispatch.paged_attention with step_kv: the decode kernel stores it, other batches get a
-    write_kv first; either way the result is attention over the full cache."""
+def test_dispatch_decode_stores_the_step_kv(device):
+    """dispatch.paged_decode with step_kv: the CUDA kernel stores it itself, the CPU twin writes it
+    first; either way the result is attention over the full cache."""
     from tgserve.kernels import dispatch
 
-    batch = make_paged_batch(q_lens, [9, 20, 31], 8, 2, 32, 8, torch.float32, device, seed=22)
+    batch = make_paged_batch([1, 1, 1], [9, 20, 31], 8, 2, 32, 8, torch.float32, device, seed=22)
     cache = _without_step_kv(batch, batch.slot_mapping)
-    got = dispatch.paged_attention(batch.query, cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
-                                   0.3, max_query_len=max(q_lens), step_kv=(batch.key, batch.value,
-                                   batch.slot_mapping))  # fmt: skip
+    got = dispatch.paged_decode(batch.query, cache, batch.block_tables, batch.seq_lens, 0.3,
+                                step_kv=(batch.key, batch.value, batch.slot_mapping))  # fmt: skip
+    _check(got, _reference(batch, 0.3), torch.float32)
+    _check_same_cache(cache, batch.kv_cache)
+
+
+def test_dispatch_prefill_reads_the_stored_step_kv(device):
+    """dispatch.paged_prefill after dispatch.write_kv (as the backend calls them): attention over
+    the full cache, decode rows among prompt rows."""
+    from tgserve.kernels import dispatch
+
+    batch = make_paged_batch([3, 1, 2], [9, 20, 31], 8, 2, 32, 8, torch.float32, device, seed=22)
+    cache = _without_step_kv(batch, batch.slot_mapping)
+    dispatch.write_kv(batch.key, batch.value, cache, batch.slot_mapping)
+    got = dispatch.paged_prefill(batch.query, cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
+                                 0.3)  # fmt: skip
     _check(got, _reference(batch, 0.3), torch.float32)
     _check_same_cache(cache, batch.kv_cache)
 

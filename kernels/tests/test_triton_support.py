@@ -33,7 +33,7 @@ def test_choosing_the_cuda_backend_checks_triton(monkeypatch):
     import torch
 
     from tgserve.kernels import triton_support
-    from tgserve.server.attention.backend import attention_backend
+    from tgserve.server.attention.registry import attention_backend
 
     monkeypatch.setattr(triton_support, "installed_triton", lambda: "3.1.0")
     with pytest.raises(RuntimeError, match="this environment has 3.1.0"):

@@ -8,22 +8,26 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tgserve.router.bench.report import RequestTiming
 
+if TYPE_CHECKING:
+    from tgserve.server.engine.interface import Engine
 
-def load_engine(model_id: str | None) -> Any:
-    from tgserve.server.engine import EngineArgs, LLMEngine
+
+def load_engine(model_id: str | None) -> Engine:
+    from tgserve.server.config.engine_args import EngineArgs
+    from tgserve.server.engine.llm_engine import LLMEngine
 
     return LLMEngine(EngineArgs(model=model_id))
 
 
 def run_offline(
-    engine: Any, prompts: list[list[int]], output_len: int, concurrency: int
+    engine: Engine, prompts: list[list[int]], output_len: int, concurrency: int
 ) -> tuple[list[RequestTiming], float]:
     """Keep `concurrency` requests in the engine, adding the next as one finishes; time every token."""
-    from tgserve.server.sampling_params import SamplingParams
+    from tgserve.server.protocol.params import SamplingParams
 
     params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
     timings = [RequestTiming(prompt_len=len(p)) for p in prompts]

@@ -14,9 +14,9 @@ from tgserve.router.generation import Admission, Generator
 from tgserve.router.metrics import RouterMetrics
 from tgserve.router.state import RouterState
 from tgserve.router.tokenization import RouterTokenizer
-from tgserve.server.outputs import EngineStats, RequestOutput, TokenLogprob
-from tgserve.server.protocol import EngineReady
-from tgserve.server.sampling_params import SamplingParams
+from tgserve.server.protocol.messages import EngineReady
+from tgserve.server.protocol.outputs import EngineStats, RequestOutput, TokenLogprob
+from tgserve.server.protocol.params import SamplingParams
 
 Script = Callable[[list[int], SamplingParams], list[int]]
 

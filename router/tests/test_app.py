@@ -64,13 +64,13 @@ async def test_tgi_generate_with_details(tokenizer_dir, tokenizer):
     assert len(details["top_tokens"][0]) == 2
 
 
-async def test_tgi_generate_reports_its_durations_in_headers(tokenizer_dir, tokenizer, monkeypatch, caplog):
+async def test_tgi_generate_reports_its_durations_in_headers(tokenizer_dir, tokenizer, caplog):
     """TGI's x-* headers and log line: sizes, and durations equal to what the request metrics
     recorded. The fake engine schedules a request 30 ms after it arrives, then gives it a token
     every 10 ms."""
-    monkeypatch.setenv("COMPUTE_TYPE", "gpu+optimized")
     caplog.set_level(logging.INFO, logger="tgserve.router")
-    client, state, app = fake_app(tokenizer_dir, tokenizer, tick_s=0.01)
+    config = RouterConfig(compute_type="gpu+optimized")
+    client, state, app = fake_app(tokenizer_dir, tokenizer, config, tick_s=0.01)
     client.queue_s = 0.03
     http = http_client(app)
     response = await http.post("/generate", json={"inputs": "Q: France?", "parameters": {"details": True}})

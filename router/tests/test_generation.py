@@ -7,15 +7,22 @@ import pytest
 from tgserve.router.config import RouterConfig
 from tgserve.router.errors import OverloadedError
 from tgserve.router.generation import Admission, SequenceState
-from tgserve.router.validation import Knobs, build_spec
-from tgserve.server.outputs import RequestOutput, TokenLogprob
+from tgserve.router.validation import SamplingRequest, build_spec
+from tgserve.server.protocol.outputs import RequestOutput, TokenLogprob
+from tgserve.server.protocol.params import SamplingParams
 
 CONFIG = RouterConfig().resolve(256)
 
 
 def run(tokenizer, text: str, stop=(), include_stop=False, finish="length", logprobs=None):
     prompt = tokenizer.encode("Hello")
-    spec = build_spec(CONFIG, tokenizer, prompt, Knobs(stop=tuple(stop), logprobs=logprobs), include_stop)
+    spec = build_spec(
+        CONFIG,
+        tokenizer,
+        prompt,
+        SamplingRequest(SamplingParams(stop=tuple(stop), logprobs=logprobs)),
+        include_stop,
+    )
     state = SequenceState(0, 0, tokenizer, spec)
     ids = tokenizer.encode(text, add_special_tokens=False)
     deltas = []

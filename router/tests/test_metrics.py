@@ -6,8 +6,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tgserve.router.metrics import RouterMetrics
-from tgserve.server.outputs import EngineStats
-from tgserve.server.step_timing import StepClock
+from tgserve.server.core.step_timing import StepClock
+from tgserve.server.protocol.outputs import EngineStats
 
 TGI_NAMES = {
     "tgi_request_count",

@@ -68,7 +68,7 @@ def test_hub_cache_reaches_the_engine_environment():
 
 
 def test_tgi_gaudi_bucketing_variables_reach_the_engine_as_a_bucket_config():
-    from tgserve.server.static_shapes.buckets import BucketConfig
+    from tgserve.server.config.buckets import BucketConfig
 
     assert "static_shapes" not in serve_args.engine_args(parse([]))  # the engine decides: on HPUs only
     env = {"BATCH_BUCKET_SIZE": "16", "PAD_SEQUENCE_TO_MULTIPLE_OF": "256", "WARMUP_ENABLED": "false"}
@@ -81,3 +81,16 @@ def test_tgi_gaudi_bucketing_variables_reach_the_engine_as_a_bucket_config():
         "buckets"
     ]
     assert BucketConfig(**sent) == BucketConfig(scheme="exponential", decode_graphs_only=True)
+
+
+def test_the_deployment_switches_are_flags_with_their_variables():
+    """COMPUTE_TYPE and TGSERVE_PDL are read here, with the other flags, and passed on as
+    configuration: the router's config and the engine's arguments."""
+    assert serve_args.router_config(parse([])).compute_type is None
+    assert (
+        serve_args.router_config(parse([], {"COMPUTE_TYPE": "gpu+optimized"})).compute_type == "gpu+optimized"
+    )
+    assert serve_args.engine_args(parse([]))["programmatic_dependent_launch"] is True
+    assert serve_args.engine_args(parse([], {"TGSERVE_PDL": "0"}))["programmatic_dependent_launch"] is False
+    flag = ["--programmatic-dependent-launch", "false"]
+    assert serve_args.engine_args(parse(flag, {"TGSERVE_PDL": "1"}))["programmatic_dependent_launch"] is False

@@ -6,12 +6,23 @@ import pytest
 
 from tgserve.router.config import RouterConfig
 from tgserve.router.errors import ValidationError
-from tgserve.router.openai_schemas import CompletionRequest, logit_bias, openai_knobs
-from tgserve.router.tgi_schemas import TGIParameters, tgi_knobs
+from tgserve.router.openai_schemas import CompletionRequest, logit_bias, openai_sampling
+from tgserve.router.tgi_schemas import TGIParameters, tgi_sampling
 from tgserve.router.tokenization import RouterTokenizer
-from tgserve.router.validation import Knobs, build_spec, check_limits, sequence_seeds
+from tgserve.router.validation import (
+    SamplingRequest,
+    build_spec,
+    check_limits,
+    sampling_params,
+    sequence_seeds,
+)
+from tgserve.server.protocol.params import SamplingParams
 
 CONFIG = RouterConfig(max_input_tokens=10, max_total_tokens=20).resolve(64)
+
+
+def ask(max_new_tokens: int | None = None, n: int = 1, **params) -> SamplingRequest:
+    return SamplingRequest(SamplingParams(**params), max_new_tokens, n)
 
 
 def test_resolve_derives_token_limits_from_the_model():
@@ -24,59 +35,61 @@ def test_resolve_derives_token_limits_from_the_model():
 
 
 @pytest.mark.parametrize(
-    ("prompt_len", "knobs", "message"),
+    ("prompt_len", "asked", "message"),
     [
-        (0, Knobs(), "prompt is empty"),
-        (11, Knobs(), "--max-input-tokens=10"),
-        (10, Knobs(max_new_tokens=11), "--max-total-tokens=20"),
-        (5, Knobs(stop=("a",) * 5), "--max-stop-sequences=4"),
-        (5, Knobs(stop=("",)), "must not be empty"),
-        (5, Knobs(logprobs=6), "--max-top-n-tokens=5"),
+        (0, ask(), "prompt is empty"),
+        (11, ask(), "--max-input-tokens=10"),
+        (10, ask(max_new_tokens=11), "--max-total-tokens=20"),
+        (5, ask(stop=("a",) * 5), "--max-stop-sequences=4"),
+        (5, ask(stop=("",)), "must not be empty"),
+        (5, ask(logprobs=6), "--max-top-n-tokens=5"),
     ],
 )
-def test_limits_name_the_flag(prompt_len, knobs, message):
+def test_limits_name_the_flag(prompt_len, asked, message):
     with pytest.raises(ValidationError, match=message):
-        check_limits(CONFIG, prompt_len, knobs)
+        check_limits(CONFIG, prompt_len, asked)
 
 
 def test_max_new_tokens_defaults_to_what_the_total_leaves():
-    assert check_limits(CONFIG, 8, Knobs()) == 12
-    assert check_limits(CONFIG, 8, Knobs(max_new_tokens=3)) == 3
+    assert check_limits(CONFIG, 8, ask()) == 12
+    assert check_limits(CONFIG, 8, ask(max_new_tokens=3)) == 3
 
 
 def test_seeds_are_derived_and_reproducible():
-    assert sequence_seeds(Knobs(seed=7, n=3)) == [7, 8, 9]
-    assert sequence_seeds(Knobs(temperature=0.0, n=2)) == [None, None]
-    drawn = sequence_seeds(Knobs(n=3))
+    assert sequence_seeds(ask(seed=7, n=3)) == [7, 8, 9]
+    assert sequence_seeds(ask(temperature=0.0, n=2)) == [None, None]
+    drawn = sequence_seeds(ask(n=3))
     assert len(set(drawn)) == 3 and all(isinstance(s, int) for s in drawn)
-    assert sequence_seeds(Knobs(seed=-1, n=2)) == [2**64 - 1, 0]  # a signed seed's unsigned twin
+    assert sequence_seeds(ask(seed=-1, n=2)) == [2**64 - 1, 0]  # a signed seed's unsigned twin
     with pytest.raises(ValidationError, match="64-bit"):
-        sequence_seeds(Knobs(seed=2**64))
+        sequence_seeds(ask(seed=2**64))
 
 
 def test_build_spec_checks_sampling_params_and_vocabulary(tokenizer):
     with pytest.raises(ValidationError, match="top_p"):
-        build_spec(CONFIG, tokenizer, [1, 2], Knobs(top_p=0.0), include_stop=False)
+        sampling_params(top_p=0.0)
     with pytest.raises(ValidationError, match="outside the vocabulary"):
-        build_spec(CONFIG, tokenizer, [1, 10**6], Knobs(), include_stop=False)
+        build_spec(CONFIG, tokenizer, [1, 10**6], ask(), include_stop=False)
     with pytest.raises(ValidationError, match="logit_bias"):
-        build_spec(CONFIG, tokenizer, [1], Knobs(logit_bias={10**6: 1.0}), include_stop=False)
-    spec = build_spec(CONFIG, tokenizer, [1, 2], Knobs(n=2, seed=1, max_new_tokens=4), include_stop=True)
+        build_spec(CONFIG, tokenizer, [1], ask(logit_bias={10**6: 1.0}), include_stop=False)
+    spec = build_spec(CONFIG, tokenizer, [1, 2], ask(n=2, seed=1, max_new_tokens=4), include_stop=True)
     assert [p.seed for p in spec.params] == [1, 2]
     assert all(p.max_new_tokens == 4 for p in spec.params)
 
 
 def test_tgi_greedy_unless_sampling_is_asked_for():
-    assert tgi_knobs(TGIParameters(), CONFIG, stream=False).temperature == 0.0
-    assert tgi_knobs(TGIParameters(temperature=0.7), CONFIG, stream=False).temperature == 0.7
-    assert tgi_knobs(TGIParameters(do_sample=True), CONFIG, stream=False).temperature == 1.0
-    assert tgi_knobs(TGIParameters(top_k=5), CONFIG, stream=False).top_k == 5
+    assert tgi_sampling(TGIParameters(), CONFIG, stream=False).params.temperature == 0.0
+    assert tgi_sampling(TGIParameters(temperature=0.7), CONFIG, stream=False).params.temperature == 0.7
+    assert tgi_sampling(TGIParameters(do_sample=True), CONFIG, stream=False).params.temperature == 1.0
+    assert tgi_sampling(TGIParameters(top_k=5), CONFIG, stream=False).params.top_k == 5
 
 
 def test_tgi_streams_and_details_carry_logprobs():
-    assert tgi_knobs(TGIParameters(), CONFIG, stream=False).logprobs is None
-    assert tgi_knobs(TGIParameters(), CONFIG, stream=True).logprobs == 0
-    assert tgi_knobs(TGIParameters(details=True, top_n_tokens=3), CONFIG, stream=False).logprobs == 3
+    assert tgi_sampling(TGIParameters(), CONFIG, stream=False).params.logprobs is None
+    assert tgi_sampling(TGIParameters(), CONFIG, stream=True).params.logprobs == 0
+    assert (
+        tgi_sampling(TGIParameters(details=True, top_n_tokens=3), CONFIG, stream=False).params.logprobs == 3
+    )
 
 
 @pytest.mark.parametrize(
@@ -94,15 +107,22 @@ def test_tgi_streams_and_details_carry_logprobs():
 )
 def test_tgi_rules(params, stream, message):
     with pytest.raises(ValidationError, match=message):
-        tgi_knobs(params, CONFIG, stream)
+        tgi_sampling(params, CONFIG, stream)
 
 
 def test_openai_translation():
     request = CompletionRequest(prompt="x", temperature=0.0, top_k=-1, stop="END", logit_bias={"5": -100})
-    knobs = openai_knobs(request, CONFIG, 5, None, 1)
-    assert (knobs.temperature, knobs.top_k, knobs.stop, knobs.logit_bias) == (0.0, 0, ("END",), {5: -100.0})
+    sampling = openai_sampling(request, CONFIG, 5, None, 1)
+    params = sampling.params
+    assert (params.temperature, params.top_k, params.stop, params.logit_bias) == (
+        0.0,
+        0,
+        ("END",),
+        {5: -100.0},
+    )
+    assert (sampling.max_new_tokens, sampling.n) == (5, 1)
     with pytest.raises(ValidationError, match="limit"):
-        openai_knobs(request, CONFIG, 5, None, 100)
+        openai_sampling(request, CONFIG, 5, None, 100)
 
 
 def test_logit_bias_bounds():

@@ -1,16 +1,21 @@
-"""The interface every attention backend (cpu, cuda, hpu) implements."""
+"""The interface every attention backend (cpu, cuda, hpu) implements.
+
+A step reaches a backend twice: `plan(metadata)` once, before the first layer, where the backend
+makes every choice the step's shape and lengths decide (which kernel, which index tensors) into a
+typed `StepPlan` of its own; then `forward` in every layer, with that plan.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
 from torch import nn
 
-from tgserve.kernels.sparse.config import SparseConfig
 from tgserve.server.attention.metadata import AttentionMetadata
-from tgserve.server.kv_cache import KVCacheSpec
+from tgserve.server.kv_cache.spec import KVCacheSpec
 
 
 @dataclass(frozen=True)
@@ -23,12 +28,23 @@ class AttentionLayerParams:
     layer_idx: int = 0  # per-layer settings (sparse patterns) are keyed by it
 
 
-class AttentionBackend(ABC):
+@dataclass
+class StepPlan:
+    """What every layer of one step shares: the step's metadata and, in each backend's subclass,
+    the choices made from it once."""
+
+    metadata: AttentionMetadata
+
+
+Plan = TypeVar("Plan", bound=StepPlan)
+
+
+class AttentionBackend(ABC, Generic[Plan]):
     """Writes a step's keys and values into the paged cache, then attends over each sequence's context."""
 
     name: str
     # Blocks this backend needs past the block manager's (at the end of the pool): a scratch block
-    # takes the writes of padding rows when the backend cannot skip slot -1 (see kv_cache.scratch_slot).
+    # takes the writes of padding rows when the backend cannot skip slot -1 (see kv_cache.pool.scratch_slot).
     scratch_blocks: int = 0
     # True when the work of a step depends only on its shape and the metadata's device tensors (not
     # its host lists): then a padded step can be replayed from a graph recorded for its shape.
@@ -51,13 +67,19 @@ class AttentionBackend(ABC):
         return
 
     @abstractmethod
+    def plan(self, metadata: AttentionMetadata) -> Plan:
+        """The step's plan, built once before its first layer. Inside a captured graph (CUDA or HPU)
+        it is built at capture, from the captured step: it may depend on the step's shape and on
+        `metadata.context_bound`, and must compute any per-step values as device tensors."""
+
+    @abstractmethod
     def forward(
         self,
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-        metadata: AttentionMetadata,
+        plan: Plan,
         layer: AttentionLayerParams,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Attention output for every query row of the flat batch."""
@@ -68,31 +90,11 @@ class AttentionBackend(ABC):
         key: torch.Tensor,
         value: torch.Tensor,
         kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
+        plan: Plan,
         layer: AttentionLayerParams,
         rows: torch.Tensor,  # int64 [num_kept]: rows of the flat batch
     ) -> torch.Tensor:  # [num_kept, num_heads, head_dim]
         """Attention output of the query rows `rows` only, every row's keys and values stored all
         the same (a model's last layer, where only the rows a logit reads go on). By default every
         row is attended and the kept ones are taken."""
-        return self.forward(query, key, value, kv_cache, metadata, layer)[rows]
-
-
-def attention_backend(device: torch.device, sparse: SparseConfig | None = None) -> AttentionBackend:
-    """The backend for a device; each is imported only when chosen."""
-    if device.type == "cuda":
-        from tgserve.kernels.triton_support import check_triton, installed_triton
-        from tgserve.server.attention.cuda import CudaAttentionBackend
-
-        check_triton(installed_triton())
-
-        return CudaAttentionBackend(sparse)
-    if device.type == "cpu":
-        from tgserve.server.attention.cpu import CpuAttentionBackend
-
-        return CpuAttentionBackend()
-    if device.type == "hpu":
-        from tgserve.server.attention.hpu import HpuAttentionBackend
-
-        return HpuAttentionBackend()
-    raise ValueError(f"no attention backend for device {device.type!r}; expected cuda, hpu or cpu")
+        return self.forward(query, key, value, kv_cache, plan, layer)[rows]

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tgserve.kernels.reference import causal_mask, gather_kv, masked_attention, write_kv
-from tgserve.server.attention.backend import AttentionBackend, AttentionLayerParams
+from tgserve.server.attention.backend import AttentionBackend, AttentionLayerParams, StepPlan
 from tgserve.server.attention.metadata import AttentionMetadata
 
 
@@ -58,24 +58,18 @@ class DecodeGroup:
 
 
 @dataclass
-class StepPlan:
-    """What every layer of one step shares, built once per step (cached on the metadata)."""
+class CpuStepPlan(StepPlan):
+    """Decoding sequences grouped for batched gathers, prompt chunks to attend one by one, and the
+    masks the layers share (built by the first layer that needs them)."""
 
-    decode_groups: list[DecodeGroup]
-    prefill_seqs: list[tuple[int, int, int, int]]  # (sequence, begin, end, seq_len) attended one by one
-    writes_every_slot: bool  # no slot -1: keys and values go in without a mask
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
+    prefill_seqs: list[tuple[int, int, int, int]] = field(default_factory=list)  # (seq, begin, end, seq_len)
+    writes_every_slot: bool = False  # no slot -1: keys and values go in without a mask
     prefill_masks: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict)
 
 
-def step_plan(metadata: AttentionMetadata, block_size: int) -> StepPlan:
-    cached = metadata.backend_cache.get("cpu")
-    if cached is None:
-        cached = metadata.backend_cache["cpu"] = _build_plan(metadata, block_size)
-    return cached
-
-
-def _build_plan(metadata: AttentionMetadata, block_size: int) -> StepPlan:
-    starts, lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
+def cpu_step_plan(metadata: AttentionMetadata) -> CpuStepPlan:
+    starts, lens, block_size = metadata.query_start_loc_cpu, metadata.seq_lens_cpu, metadata.block_size
     decode = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] == 1]
     # Sequences whose block counts fall in the same power-of-two range share a gather, so padding
     # to the longest in a group at most doubles what is read (mixed lengths would pad far more).
@@ -91,7 +85,7 @@ def _build_plan(metadata: AttentionMetadata, block_size: int) -> StepPlan:
         for i, n in enumerate(lens)
         if i not in grouped and starts[i + 1] > starts[i]
     ]
-    return StepPlan(groups, prefill, bool((metadata.slot_mapping >= 0).all()))
+    return CpuStepPlan(metadata, groups, prefill, bool((metadata.slot_mapping >= 0).all()))
 
 
 def _decode_group(metadata: AttentionMetadata, seqs: list[int], block_size: int) -> DecodeGroup:
@@ -153,13 +147,16 @@ def decode_attention(
     return out.reshape(batch, num_heads, dim).to(query.dtype)
 
 
-class CpuAttentionBackend(AttentionBackend):
+class CpuAttentionBackend(AttentionBackend[CpuStepPlan]):
     """Paged attention in torch: decoding sequences batched together, prefill chunks one at a time."""
 
     name = "cpu"
 
-    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, layer: AttentionLayerParams):
-        plan = step_plan(metadata, kv_cache.shape[2])
+    def plan(self, metadata: AttentionMetadata) -> CpuStepPlan:
+        return cpu_step_plan(metadata)
+
+    def forward(self, query, key, value, kv_cache, plan: CpuStepPlan, layer: AttentionLayerParams):
+        metadata = plan.metadata
         if plan.writes_every_slot:
             flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
             flat[0].index_copy_(0, metadata.slot_mapping, key.to(kv_cache.dtype))

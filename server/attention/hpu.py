@@ -18,7 +18,7 @@ slots, blocks) is read from the metadata's device tensors.
   plain causal and needs no mask at all.
 
 Keys and values are written with `index_copy_` along the flattened slots. It cannot skip slot -1,
-so padding rows write to the scratch slot (`kv_cache.scratch_slot`, in the pool's last block, which
+so padding rows write to the scratch slot (`kv_cache.pool.scratch_slot`, in the pool's last block, which
 the block manager never hands out: the pool is `scratch_blocks` larger than its count).
 
 Padding (as `tgserve.server.static_shapes.padding` pads): rows past query_start_loc[-1] belong to no sequence
@@ -32,21 +32,26 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tgserve.server.attention.backend import AttentionBackend, AttentionLayerParams
+from tgserve.server.attention.backend import AttentionBackend, AttentionLayerParams, StepPlan
 from tgserve.server.attention.metadata import AttentionMetadata
-from tgserve.server.hpu.ops import GaudiOps, HabanaOps
-from tgserve.server.kv_cache import scratch_slot
+from tgserve.server.device.habana import GaudiOps, HabanaOps
+from tgserve.server.kv_cache.pool import scratch_slot
 
 
 @dataclass
-class HpuStepPlan:
-    """What every layer of one step shares: the step's shape and, once built, its index tensors."""
+class HpuStepPlan(StepPlan):
+    """What every layer of one step shares: the step's shape and, built by the first layer that
+    needs each, its index tensors and masks (per sliding window; biases per window and dtype)."""
 
-    decode: bool  # one query per sequence, no row left over
-    num_tokens: int
-    num_seqs: int
-    num_columns: int  # block-table columns
-    cache: dict[object, torch.Tensor] = field(default_factory=dict)  # slots, block ids, masks, biases
+    decode: bool = False  # one query per sequence, no row left over
+    num_tokens: int = 0
+    num_seqs: int = 0
+    num_columns: int = 0  # block-table columns
+    slots: torch.Tensor | None = None
+    block_ids: torch.Tensor | None = None
+    decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    prefill_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    prefill_biases: dict[tuple[int | None, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
     @property
     def shape_key(self) -> tuple[bool, int, int, int]:
@@ -55,61 +60,53 @@ class HpuStepPlan:
 
 
 def hpu_step_plan(metadata: AttentionMetadata) -> HpuStepPlan:
-    """The step's plan, built by its first layer and reused by the others."""
-    plan = metadata.backend_cache.get("hpu")
-    if plan is None:
-        num_tokens, num_seqs = metadata.slot_mapping.shape[0], metadata.num_seqs
-        decode = num_tokens == num_seqs and metadata.max_query_len == 1
-        plan = HpuStepPlan(decode, num_tokens, num_seqs, metadata.block_tables.shape[1])
-        metadata.backend_cache["hpu"] = plan
-    return plan
+    """The step's plan: its shape, from which every choice of this backend follows."""
+    num_tokens, num_seqs = metadata.slot_mapping.shape[0], metadata.num_seqs
+    decode = num_tokens == num_seqs and metadata.max_query_len == 1
+    return HpuStepPlan(metadata, decode, num_tokens, num_seqs, metadata.block_tables.shape[1])
 
 
-def write_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    plan: HpuStepPlan,
-) -> None:
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, plan: HpuStepPlan) -> None:
     """Every row's key and value into its slot, padding rows (slot -1) into the scratch slot."""
-    slots = plan.cache.get("slots")
-    if slots is None:
-        slots = plan.cache["slots"] = torch.where(slot_mapping >= 0, slot_mapping, scratch_slot(kv_cache))
+    if plan.slots is None:
+        slot_mapping = plan.metadata.slot_mapping
+        plan.slots = torch.where(slot_mapping >= 0, slot_mapping, scratch_slot(kv_cache))
+    slots = plan.slots
     flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
     flat[0].index_copy_(0, slots, key.to(kv_cache.dtype))
     flat[1].index_copy_(0, slots, value.to(kv_cache.dtype))
 
 
 def gather_blocks(
-    kv_cache: torch.Tensor, block_tables: torch.Tensor, plan: HpuStepPlan
+    kv_cache: torch.Tensor, plan: HpuStepPlan
 ) -> tuple[torch.Tensor, torch.Tensor]:  # each [num_seqs, columns * block_size, num_kv_heads, head_dim]
     """Every sequence's whole block-table row, as rows of a 2D view (one row memcpy per block)."""
-    block_ids = plan.cache.get("block_ids")
-    if block_ids is None:
-        block_ids = plan.cache["block_ids"] = block_tables.reshape(-1).long()
+    block_tables = plan.metadata.block_tables
+    if plan.block_ids is None:
+        plan.block_ids = block_tables.reshape(-1).long()
+    block_ids = plan.block_ids
     shape = (block_tables.shape[0], -1, *kv_cache.shape[-2:])
     num_blocks = kv_cache.shape[1]
     return tuple(kv_cache[i].view(num_blocks, -1).index_select(0, block_ids).view(shape) for i in (0, 1))
 
 
-def decode_mask(metadata: AttentionMetadata, plan: HpuStepPlan, window: int | None) -> torch.Tensor:
+def decode_mask(plan: HpuStepPlan, window: int | None) -> torch.Tensor:
     """[num_seqs, 1, columns * block_size]: positions up to the query's (seq_len - 1), in the window."""
-    mask = plan.cache.get(("decode", window))
+    mask, metadata = plan.decode_masks.get(window), plan.metadata
     if mask is None:
         query_pos = metadata.seq_lens.long()[:, None, None] - 1
         key_pos = torch.arange(plan.num_columns * metadata.block_size, device=query_pos.device)
         mask = key_pos <= query_pos
         if window is not None:
             mask &= key_pos > query_pos - window
-        plan.cache["decode", window] = mask
+        plan.decode_masks[window] = mask
     return mask
 
 
-def prefill_mask(metadata: AttentionMetadata, plan: HpuStepPlan, window: int | None) -> torch.Tensor:
+def prefill_mask(plan: HpuStepPlan, window: int | None) -> torch.Tensor:
     """[num_tokens, num_seqs * columns * block_size + num_tokens]: which cached keys (gathered rows
     of every sequence) and which of this step's keys each query of the flat step may attend."""
-    mask = plan.cache.get(("prefill", window))
+    mask, metadata = plan.prefill_masks.get(window), plan.metadata
     if mask is not None:
         return mask
     start = metadata.query_start_loc.long()
@@ -128,22 +125,20 @@ def prefill_mask(metadata: AttentionMetadata, plan: HpuStepPlan, window: int | N
     cached = (key_seq[None, :] == seq[:, None]) & (key_pos[None, :] < context[own][:, None])
     if window is not None:
         cached &= key_pos[None, :] > query_pos[:, None] - window
-    mask = plan.cache["prefill", window] = torch.cat([cached, step], dim=1)
+    mask = plan.prefill_masks[window] = torch.cat([cached, step], dim=1)
     return mask
 
 
-def prefill_bias(
-    metadata: AttentionMetadata, plan: HpuStepPlan, window: int | None, dtype: torch.dtype
-) -> torch.Tensor:
+def prefill_bias(plan: HpuStepPlan, window: int | None, dtype: torch.dtype) -> torch.Tensor:
     """prefill_mask as FusedSDPA's additive bias, [1, 1, q, k]: 0 where allowed, the dtype's minimum
     elsewhere (not -inf: the mask allows every row its own key, so no sum can turn into NaN)."""
-    bias = plan.cache.get(("bias", window, dtype))
+    bias = plan.prefill_biases.get((window, dtype))
     if bias is None:
-        mask = prefill_mask(metadata, plan, window)
+        mask = prefill_mask(plan, window)
         bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
             ~mask, torch.finfo(dtype).min
         )
-        bias = plan.cache["bias", window, dtype] = bias[None, None]
+        bias = plan.prefill_biases[window, dtype] = bias[None, None]
     return bias
 
 
@@ -172,7 +167,7 @@ def masked_attention(
     return out.permute(0, 3, 1, 2, 4).reshape(batch, q_len, num_heads, dim)
 
 
-class HpuAttentionBackend(AttentionBackend):
+class HpuAttentionBackend(AttentionBackend[HpuStepPlan]):
     """Paged attention for Gaudi in static shapes; Habana's kernels reached only through `ops`."""
 
     name = "hpu"
@@ -188,33 +183,35 @@ class HpuAttentionBackend(AttentionBackend):
     def graph_wrap(self, module):  # noqa: ANN001, ANN201
         return self.ops.wrap_in_hpu_graph(module)
 
-    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, layer: AttentionLayerParams):
-        plan = hpu_step_plan(metadata)
-        write_kv(key, value, kv_cache, metadata.slot_mapping, plan)
-        if plan.decode:
-            return self._decode(query, kv_cache, metadata, plan, layer)
-        return self._prefill(query, key, value, kv_cache, metadata, plan, layer)
+    def plan(self, metadata: AttentionMetadata) -> HpuStepPlan:
+        return hpu_step_plan(metadata)
 
-    def _decode(self, query, kv_cache, metadata, plan: HpuStepPlan, layer: AttentionLayerParams):
-        keys, values = gather_blocks(kv_cache, metadata.block_tables, plan)
-        mask = decode_mask(metadata, plan, layer.spec.sliding_window)
+    def forward(self, query, key, value, kv_cache, plan: HpuStepPlan, layer: AttentionLayerParams):
+        write_kv(key, value, kv_cache, plan)
+        if plan.decode:
+            return self._decode(query, kv_cache, plan, layer)
+        return self._prefill(query, key, value, kv_cache, plan, layer)
+
+    def _decode(self, query, kv_cache, plan: HpuStepPlan, layer: AttentionLayerParams):
+        keys, values = gather_blocks(kv_cache, plan)
+        mask = decode_mask(plan, layer.spec.sliding_window)
         return masked_attention(query[:, None], keys, values, mask, layer)[:, 0]
 
-    def _prefill(self, query, key, value, kv_cache, metadata, plan: HpuStepPlan, layer: AttentionLayerParams):
+    def _prefill(self, query, key, value, kv_cache, plan: HpuStepPlan, layer: AttentionLayerParams):
         window = layer.spec.sliding_window
         key, value = key.to(query.dtype), value.to(query.dtype)
         if plan.num_columns:  # keys: every sequence's cached rows, then this step's
-            cached = gather_blocks(kv_cache, metadata.block_tables, plan)
+            cached = gather_blocks(kv_cache, plan)
             key, value = (
                 torch.cat([c.reshape(-1, *c.shape[2:]).to(query.dtype), new])
                 for c, new in zip(cached, (key, value))
             )
         if layer.softcap is not None:  # FusedSDPA has no softcap
-            mask = prefill_mask(metadata, plan, window)
+            mask = prefill_mask(plan, window)
             return masked_attention(query[None], key[None], value[None], mask[None], layer)[0]
         # A lone sequence with nothing cached is plain causal: rows after it are padding.
         causal = plan.num_seqs == 1 and plan.num_columns == 0 and window is None
-        bias = None if causal else prefill_bias(metadata, plan, window, query.dtype)
+        bias = None if causal else prefill_bias(plan, window, query.dtype)
         q, k, v = (x.transpose(0, 1)[None] for x in (query, key, value))  # [1, heads, rows, dim]
         out = self.ops.fused_sdpa(q, k, v, bias, causal, layer.scale)
         return out[0].transpose(0, 1)

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
@@ -28,8 +27,6 @@ class AttentionMetadata:
     # Set when the step runs in a captured graph: an upper bound on seq_lens that holds for every
     # replay (the host lists describe only the step it was captured with).
     context_bound: int | None = None
-    # Whatever a backend derives from this metadata once per step and reuses in every layer.
-    backend_cache: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
@@ -55,6 +52,33 @@ class AttentionMetadata:
         """Every sequence's block table names a block for each position of its context (a fresh
         step padded to a static shape keeps only one column: nothing in its prompt attention reads it)."""
         return self.block_tables.shape[1] * self.block_size >= self.max_seq_len
+
+
+def shape_host_lists(num_tokens: int, num_seqs: int) -> tuple[list[int], list[int]]:
+    """query_start_loc and seq_lens host lists that describe only the shape of a step: one query
+    per sequence when there are as many tokens as sequences, else the first holds the extra ones."""
+    lens = [1] * num_seqs if num_tokens == num_seqs else [num_tokens - num_seqs + 1, *[1] * (num_seqs - 1)]
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    return starts, lens
+
+
+def graph_metadata(
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_size: int,
+    context_bound: int | None = None,
+) -> AttentionMetadata:
+    """The metadata of a step recorded into a graph (CUDA graphs, HPU graphs): its device tensors
+    are the graph's inputs, refilled at each replay, and its host lists describe only the step's
+    shape (`shape_host_lists`), so that they hold at capture and at every replay alike."""
+    starts, lens = shape_host_lists(slot_mapping.shape[0], seq_lens.shape[0])
+    return AttentionMetadata(
+        query_start_loc, seq_lens, block_tables, slot_mapping, starts, lens, block_size, context_bound
+    )
 
 
 def rows_as_sequences(metadata: AttentionMetadata, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

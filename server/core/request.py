@@ -7,7 +7,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tgserve.server.sampling_params import SamplingParams
+    from tgserve.server.protocol.params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

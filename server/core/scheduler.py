@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from collections import deque
 
-from tgserve.server.config import SchedulerConfig
+from tgserve.server.config.scheduler import SchedulerConfig
 from tgserve.server.core.block_manager import BlockManager
 from tgserve.server.core.request import FinishReason, Request, RequestStatus
 from tgserve.server.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
-from tgserve.server.outputs import EngineStats
+from tgserve.server.protocol.outputs import EngineStats
 
 
 class _StepPlan:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tgserve.server.sampling_params import SamplingParams
+    from tgserve.server.protocol.params import SamplingParams
 
 
 @dataclass(frozen=True)

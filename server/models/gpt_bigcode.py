@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from tgserve.server.forward_context import paged_attention
+from tgserve.server.attention.forward_context import paged_attention
 from tgserve.server.models.layers import FusedWeightLoader
 
 

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from tgserve.server.forward_context import get_forward_context, paged_attention
-from tgserve.server.hf_compat import dtype_kwargs
+from tgserve.server.attention.forward_context import get_forward_context, paged_attention
+from tgserve.server.loading.hf_compat import dtype_kwargs
 from tgserve.server.models.paged_cache_adapter import PagedCacheAdapter, packed_context_mask
 
 ATTENTION_NAME = "tgserve_paged"

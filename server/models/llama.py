@@ -14,9 +14,9 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from tgserve.kernels import dispatch
-from tgserve.server.distributed import tensor_parallel
-from tgserve.server.forward_context import paged_attention
-from tgserve.server.kv_cache import head_dim, num_kv_heads
+from tgserve.server.attention.forward_context import paged_attention
+from tgserve.server.distributed.tensor_parallel import tensor_parallel
+from tgserve.server.kv_cache.spec import head_dim, num_kv_heads
 from tgserve.server.models.layers import FusedWeightLoader, RMSNorm, RotaryEmbedding
 from tgserve.server.models.parallel_layers import (
     ColumnParallelLinear,

@@ -13,8 +13,8 @@ import torch
 from transformers.cache_utils import Cache
 
 from tgserve.kernels.reference import causal_mask, gather_kv, write_kv
-from tgserve.server.forward_context import ForwardContext
-from tgserve.server.hf_compat import empty_cache_init_kwargs
+from tgserve.server.attention.forward_context import ForwardContext
+from tgserve.server.loading.hf_compat import empty_cache_init_kwargs
 
 
 class PagedCacheAdapter(Cache):

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tgserve.kernels import dispatch
-from tgserve.kernels.fp8 import FP8, FP8_ALIGNMENT, quantize_rows
-from tgserve.server.distributed import TensorParallel, tensor_parallel
+from tgserve.kernels.fp8_format import FP8, FP8_ALIGNMENT, quantize_rows
+from tgserve.server.distributed.tensor_parallel import TensorParallel, tensor_parallel
 
 
 def _attach(param: nn.Parameter, loader: Callable[[nn.Parameter, torch.Tensor, int | None], None]) -> None:
@@ -30,7 +30,7 @@ def _attach(param: nn.Parameter, loader: Callable[[nn.Parameter, torch.Tensor, i
 
 class QuantizableLinear(nn.Module):
     """A projection whose weight `--quantize fp8` turns into fp8 rows with a scale each, or that an
-    fp8 checkpoint fills with its own rows and scales (server/quantization.py)."""
+    fp8 checkpoint fills with its own rows and scales (server/loading/quantization.py)."""
 
     weight: nn.Parameter
     weight_scale: torch.Tensor | None

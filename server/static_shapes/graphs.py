@@ -4,31 +4,19 @@ Habana's `wrap_in_hpu_graph` records a module's device work once per set of inpu
 replays it with each call's tensors. The attention metadata normally reaches the layers through the
 forward context, outside the module's inputs, where a replay would keep the recorded step's values;
 here every per-step tensor is an input and the metadata is rebuilt from them inside the module. The
-host lists of that metadata are derived from the shapes alone (a decode step: one query per
-sequence; otherwise the first sequence holds the extra tokens), so only backends whose work depends
-on the step's shape and device tensors (`AttentionBackend.shape_only`) can run this way.
+host lists of that metadata are derived from the shapes alone (`attention.metadata.graph_metadata`),
+so only backends whose work depends on the step's shape and device tensors
+(`AttentionBackend.shape_only`) can run this way.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
-from tgserve.server.attention.metadata import AttentionMetadata
+from tgserve.server.attention.metadata import AttentionMetadata, graph_metadata
+from tgserve.server.execution.executor import Forward
 from tgserve.server.static_shapes.buckets import StepShape
-
-Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor], torch.Tensor]
-
-
-def shape_host_lists(num_tokens: int, num_seqs: int) -> tuple[list[int], list[int]]:
-    """query_start_loc and seq_lens host lists that only describe the shape of a step."""
-    lens = [1] * num_seqs if num_tokens == num_seqs else [num_tokens - num_seqs + 1, *[1] * (num_seqs - 1)]
-    starts = [0]
-    for n in lens:
-        starts.append(starts[-1] + n)
-    return starts, lens
 
 
 class StepModule(nn.Module):
@@ -50,10 +38,7 @@ class StepModule(nn.Module):
         slot_mapping: torch.Tensor,
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
-        starts, lens = shape_host_lists(input_ids.shape[0], seq_lens.shape[0])
-        metadata = AttentionMetadata(
-            query_start_loc, seq_lens, block_tables, slot_mapping, starts, lens, self.block_size
-        )
+        metadata = graph_metadata(query_start_loc, seq_lens, block_tables, slot_mapping, self.block_size)
         return self._step_forward(input_ids, positions, metadata, logits_indices)
 
 

@@ -1,5 +1,5 @@
 """Static-shape steps for graph-compiled devices: a step padded to its bucket, the log of the shapes
-compiled, and the warmup that compiles every shape before serving.
+compiled, and the steps the warmup runs to compile every shape before serving.
 
 On Gaudi every new input shape is a graph compile (seconds); serving must meet only shapes that
 warmup compiled. The padding is device-agnostic and runs for real on CPU and CUDA in tests.
@@ -13,27 +13,15 @@ Padding never changes a real row:
 
 from __future__ import annotations
 
-import logging
-import time
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
 import torch
-from tqdm import tqdm
 
-from tgserve.server.attention.metadata import AttentionMetadata
+from tgserve.server.attention.metadata import AttentionMetadata, shape_host_lists
+from tgserve.server.device.transfer import to_device
+from tgserve.server.execution.step_inputs import StepInputs, dummy_step
 from tgserve.server.static_shapes.buckets import StaticShapes, StepShape
-from tgserve.server.static_shapes.graphs import shape_host_lists
-from tgserve.server.transfer import to_device
-
-if TYPE_CHECKING:
-    from tgserve.server.runner import StepInputs
-
-logger = logging.getLogger(__name__)
-
-# (shape, input_ids, positions, metadata, logits_indices) -> logits: the runner's `run_shape`.
-RunShape = Callable[[StepShape, torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -96,7 +84,6 @@ def pad_metadata(meta: AttentionMetadata, shape: StepShape) -> AttentionMetadata
         slot_mapping=pad_rows(meta.slot_mapping, shape.num_tokens, -1),
         query_start_loc_cpu=starts,
         seq_lens_cpu=lens,
-        backend_cache={},
     )
 
 
@@ -111,34 +98,9 @@ def pad_step(inputs: StepInputs, shape: StepShape) -> StepInputs:
     )
 
 
-def dummy_step(shape: StepShape, block_size: int, device: torch.device) -> tuple:
-    """Forward arguments of the given shape that write nothing: a decode step of one-token contexts,
-    or a prefill step whose first sequence holds every token but one per other sequence (at least
-    two: a prefill shape has more tokens than sequences)."""
-    tokens, seqs = shape.num_tokens, shape.num_seqs
-    starts, lens = shape_host_lists(tokens, seqs)
-    positions = torch.cat([torch.arange(n) for n in lens]).to(device)
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
-        block_tables=torch.zeros(seqs, shape.num_blocks, dtype=torch.int32, device=device),
-        slot_mapping=torch.full((tokens,), -1, dtype=torch.int64, device=device),
-        query_start_loc_cpu=starts,
-        seq_lens_cpu=lens,
-        block_size=block_size,
-    )
-    logits_indices = torch.zeros(shape.num_logits, dtype=torch.int64, device=device)
-    return torch.zeros(tokens, dtype=torch.int64, device=device), positions, meta, logits_indices
-
-
-def warm_up(
-    run_shape: RunShape, shapes: StaticShapes, log: ShapeLog, block_size: int, device: torch.device
-) -> None:
-    """Run (so compile, and record as graphs where steps are graph-wrapped) every shape serving can
-    meet, with a progress bar; logs the count and time."""
-    todo = shapes.warmup_shapes()
-    start = time.perf_counter()
-    for shape in tqdm(todo, desc="warmup", unit="shape", disable=None):
-        run_shape(shape, *dummy_step(shape, block_size, device))
-        log.record(shape, warming_up=True)
-    logger.info("warmup: %d step shapes in %.1f s", len(todo), time.perf_counter() - start)
+def shape_step(shape: StepShape, block_size: int, device: torch.device) -> StepInputs:
+    """A step of the given shape that writes nothing: a decode step of one-token contexts, or a
+    prefill step whose first sequence holds every token but one per other sequence (at least two:
+    a prefill shape has more tokens than sequences)."""
+    _, lengths = shape_host_lists(shape.num_tokens, shape.num_seqs)
+    return dummy_step(lengths, shape.num_blocks, block_size, device, logits_rows=[0] * shape.num_logits)

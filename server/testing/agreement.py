@@ -16,8 +16,8 @@ import inspect
 
 import torch
 
-from tgserve.server.engine import LLMEngine
-from tgserve.server.sampling_params import SamplingParams
+from tgserve.server.engine.llm_engine import LLMEngine
+from tgserve.server.protocol.params import SamplingParams
 
 # How far below transformers' largest bf16 logit the engine's token may lie where they part, in the
 # logits' rounding steps (0.125 at 16-32): transformers' own decode loop and whole-sequence forward

@@ -133,7 +133,7 @@ def write_fp8_checkpoint(
     import torch
     from safetensors.torch import load_file, save_file
 
-    from tgserve.kernels.fp8 import quantize_rows
+    from tgserve.kernels.fp8_format import quantize_rows
 
     dst = Path(dst)
     shutil.copytree(src, dst)
@@ -275,7 +275,7 @@ def random_model(arch: str, config: Any, seed: int) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tgserve.server.hf_compat import dtype_kwargs
+    from tgserve.server.loading.hf_compat import dtype_kwargs
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, **dtype_kwargs(torch.float32))

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 
-from tgserve.server.default_model import default_model_gguf
-from tgserve.server.gguf_parsing import parsed_once
-from tgserve.server.hf_compat import dtype_kwargs
-from tgserve.server.loader import ModelSource, load_tokenizer
+from tgserve.server.loading.default_model import default_model_gguf
+from tgserve.server.loading.gguf_parsing import parsed_once
+from tgserve.server.loading.hf_compat import dtype_kwargs
+from tgserve.server.loading.source import ModelSource, load_tokenizer
 from tgserve.server.testing.fixtures import _publish_atomically, default_cache_dir
 
 

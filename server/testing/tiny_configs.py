@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tgserve.server.hf_compat import set_config_dtype
+from tgserve.server.loading.hf_compat import set_config_dtype
 
 INIT_STD = 0.15
 HIDDEN = 64

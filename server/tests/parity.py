@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tgserve.server.engine import LLMEngine
-from tgserve.server.sampling_params import SamplingParams
+from tgserve.server.engine.llm_engine import LLMEngine
+from tgserve.server.protocol.params import SamplingParams
 
 
 @dataclass

@@ -9,8 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tgserve.server.engine import EngineArgs, LLMEngine
-from tgserve.server.hf_compat import dtype_kwargs
+from tgserve.server.config.engine_args import EngineArgs
+from tgserve.server.engine.llm_engine import LLMEngine
+from tgserve.server.loading.hf_compat import dtype_kwargs
 from tgserve.server.testing.agreement import (
     GAP_LIMIT_ULPS,
     TOPICS,

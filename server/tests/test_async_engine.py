@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from tgserve.server.engine import EngineArgs, LLMEngine
-from tgserve.server.runner import PLACEHOLDER
-from tgserve.server.sampling_params import SamplingParams
+from tgserve.server.config.engine_args import EngineArgs
+from tgserve.server.engine.llm_engine import LLMEngine
+from tgserve.server.execution.runner import PLACEHOLDER
+from tgserve.server.protocol.params import SamplingParams
 from tgserve.server.testing.fixtures import fixture_path
 
 PROMPTS = [list(range(5 + i, 5 + i + n)) for i, n in enumerate((40, 9, 23, 17, 12, 30, 8, 14, 6, 50))]

@@ -6,7 +6,7 @@ import pytest
 
 from tgserve.server.core.block_manager import BlockManager, hash_block
 from tgserve.server.core.request import Request
-from tgserve.server.sampling_params import SamplingParams
+from tgserve.server.protocol.params import SamplingParams
 
 BS = 4
 

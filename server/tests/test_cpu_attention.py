@@ -13,8 +13,9 @@ from tgserve.kernels.reference import write_kv
 from tgserve.server.attention.backend import AttentionLayerParams
 from tgserve.server.attention.cpu import CpuAttentionBackend
 from tgserve.server.attention.metadata import AttentionMetadata
-from tgserve.server.kv_cache import KVCacheSpec
-from tgserve.server.static_shapes.buckets import BucketConfig, StaticShapes
+from tgserve.server.config.buckets import BucketConfig
+from tgserve.server.kv_cache.spec import KVCacheSpec
+from tgserve.server.static_shapes.buckets import StaticShapes
 from tgserve.server.static_shapes.padding import pad_metadata, pad_rows
 
 
@@ -82,7 +83,7 @@ def run_backend(contexts, q_lens, num_heads, num_kv, dim, block_size, window, so
         ]
     )
     if rows is None:
-        return backend.forward(query, key, value, cache, meta, layer), expected
+        return backend.forward(query, key, value, cache, backend.plan(meta), layer), expected
     rows = torch.tensor(rows, dtype=torch.long)
     kept = len(rows)
     if static is not None:
@@ -90,7 +91,7 @@ def run_backend(contexts, q_lens, num_heads, num_kv, dim, block_size, window, so
         meta = pad_metadata(meta, shape)
         query, key, value = (pad_rows(t, shape.num_tokens, 0) for t in (query, key, value))
         rows = pad_rows(rows, shape.num_logits, 0)  # padding logit rows repeat row 0
-    out = backend.forward_rows(query, key, value, cache, meta, layer, rows)[:kept]
+    out = backend.forward_rows(query, key, value, cache, backend.plan(meta), layer, rows)[:kept]
     # Every row's keys and values were stored: the cache now answers a full step's queries too.
     for (_q, k, v), table, n in zip(full, tables, contexts):
         slots = torch.tensor([slot(table, p) for p in range(n)], dtype=torch.long)
@@ -177,17 +178,18 @@ def test_kept_rows_of_the_memory_profiling_step_stay_in_the_placeholder_cache():
     the cuda backend reads that cache for the last layer's kept rows, so the step's block tables
     must name a block for every position (they named one per sequence, and the GPU read past them)."""
     from tgserve.server.attention.cuda import CudaAttentionBackend
-    from tgserve.server.memory import dummy_prefill_metadata
+    from tgserve.server.execution.memory import profiling_step
 
     block_size, num_kv, dim = 4, 2, 16
-    meta = dummy_prefill_metadata(
+    meta = profiling_step(
         num_tokens=37, num_seqs=3, block_size=block_size, device=torch.device("cpu")
-    )
+    ).metadata
     assert meta.block_tables.shape == (3, math.ceil(max(meta.seq_lens_cpu) / block_size))
     assert not meta.block_tables.any()
     cache = torch.zeros(2, 1, block_size, num_kv, dim)
     query, key, value = torch.randn(37, 8, dim), torch.randn(37, num_kv, dim), torch.randn(37, num_kv, dim)
     layer = AttentionLayerParams(KVCacheSpec(num_kv, dim, torch.float32, None), dim**-0.5, None)
     rows = meta.query_start_loc[1:].long() - 1
-    out = CudaAttentionBackend().forward_rows(query, key, value, cache, meta, layer, rows)
+    backend = CudaAttentionBackend()
+    out = backend.forward_rows(query, key, value, cache, backend.plan(meta), layer, rows)
     assert out.shape == (3, 8, dim) and out.isfinite().all()

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from tgserve import LLM, SamplingParams
-from tgserve.server.engine import EngineArgs, LLMEngine
+from tgserve.server.config.engine_args import EngineArgs
+from tgserve.server.engine.llm_engine import LLMEngine
 from tgserve.server.testing.agreement import (
     GAP_LIMIT_ULPS,
     chat_prompts,
@@ -57,7 +58,7 @@ def smollm2_gguf() -> Path:
     given = os.environ.get("TGSERVE_SMOLLM2_GGUF")
     if given:
         return Path(given)
-    from tgserve.server.default_model import default_model_gguf
+    from tgserve.server.loading.default_model import default_model_gguf
 
     try:
         return default_model_gguf()
@@ -80,11 +81,11 @@ def run_scenario(
     model: str, hf_model: torch.nn.Module, cuda_graphs: bool, capturable: bool = True
 ) -> dict[str, list[int]]:
     engine = LLMEngine(EngineArgs(model=model, dtype="float32", cuda_graphs=cuda_graphs, **TIGHT))
-    assert (engine.runner.graphs is not None) == (cuda_graphs and capturable)
+    assert (engine.shard.decode_graphs is not None) == (cuda_graphs and capturable)
     requests = build_requests(engine.vocab_size, PROMPT_LENGTHS)
     assert_scenario_parity(engine, _OnDevice(hf_model), requests)
-    if engine.runner.graphs is not None:
-        assert engine.runner.graphs.num_replays > 0, "no decode step ran in a graph"
+    if engine.shard.decode_graphs is not None:
+        assert engine.shard.decode_graphs.num_replays > 0, "no decode step ran in a graph"
     return {r.request_id: r.output for r in requests}
 
 
@@ -178,7 +179,7 @@ def test_fp8_smollm2_keeps_most_greedy_steps_and_graphs_change_no_token() -> Non
         engine = LLMEngine(
             EngineArgs(model=str(gguf), quantize="fp8", cuda_graphs=graphs, max_num_seqs=32, device="cuda")
         )
-        assert engine.runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
+        assert engine.runner.forward.model.model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
         picks[graphs] = engine_greedy(engine, prompts, 16)
         if graphs:
             agree = count_agreeing(engine_forced_picks(engine, prompts, tokens), tokens)
@@ -205,7 +206,10 @@ def test_an_fp8_checkpoint_on_cuda_serves_as_quantize_fp8_does(strategy: str, tm
     ]:
         # float32, the fixture's dtype: --quantize fp8 then quantizes the very weights the checkpoint holds
         llm = LLM(str(model), quantize=quantize, dtype="float32", cuda_graphs=graphs, **TIGHT)
-        assert llm.engine.runner.model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
+        assert (
+            llm.engine.runner.forward.model.model.layers[0].self_attn.qkv_proj.weight.dtype
+            == torch.float8_e4m3fn
+        )
         outputs[name] = [
             (out.token_ids, [t.logprob for t in out.prompt_logprobs[1:]]) for out in llm.generate(texts, ask)
         ]

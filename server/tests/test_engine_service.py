@@ -10,10 +10,10 @@ import pytest
 msgspec = pytest.importorskip("msgspec")
 zmq = pytest.importorskip("zmq")
 
-from tgserve.server import engine_service as service  # noqa: E402
-from tgserve.server import protocol as p  # noqa: E402
-from tgserve.server.outputs import EngineStats, RequestOutput  # noqa: E402
-from tgserve.server.sampling_params import InvalidRequestError, SamplingParams  # noqa: E402
+from tgserve.server.engine import service  # noqa: E402
+from tgserve.server.protocol import messages as p  # noqa: E402
+from tgserve.server.protocol.outputs import EngineStats, RequestOutput  # noqa: E402
+from tgserve.server.protocol.params import InvalidRequestError, SamplingParams  # noqa: E402
 
 
 class FakeEngine:

@@ -9,10 +9,11 @@ import sys
 import pytest
 import torch
 
-from tgserve.server import first_use_warm_up
-from tgserve.server.engine import EngineArgs, LLMEngine
-from tgserve.server.first_use_warm_up import cudnn_prompt_length, warm_up, warm_up_prompts
-from tgserve.server.sampling_params import SamplingParams
+from tgserve.server.config.engine_args import EngineArgs
+from tgserve.server.engine import warm_up as first_use_warm_up
+from tgserve.server.engine.llm_engine import LLMEngine
+from tgserve.server.engine.warm_up import cudnn_prompt_length, warm_up, warm_up_prompts
+from tgserve.server.protocol.params import SamplingParams
 from tgserve.server.testing.fixtures import fixture_path
 
 
@@ -41,7 +42,7 @@ def warm_up_prompt_steps(engine: LLMEngine) -> list:
         return launch(scheduler_output)
 
     engine.runner.launch = recorded
-    warm_up(engine)
+    warm_up(engine, engine.num_blocks, None)
     return [s for s in steps if s.scheduled_new_requests]
 
 
@@ -109,10 +110,10 @@ def test_warm_up_leaves_no_request_no_count_and_the_same_tokens(async_scheduling
 @pytest.mark.parametrize("asked,runs", [(None, False), (True, True), (False, False)])
 def test_warm_up_is_for_gpus_unless_asked(asked, runs, monkeypatch):
     """On the CPU (None: the device decides) nothing compiles on first use: no warm-up."""
-    from tgserve.server import engine as engine_module
+    from tgserve.server.engine import llm_engine as engine_module
 
     calls = []
-    monkeypatch.setattr(engine_module, "warm_up", lambda engine: calls.append(engine) or 0.0)
+    monkeypatch.setattr(engine_module, "warm_up", lambda engine, *limits: calls.append(engine) or 0.0)
     cpu_engine(asked)
     assert len(calls) == int(runs)
 
@@ -144,8 +145,9 @@ AFTER_WARM_UP = r"""
 import json, sys
 import triton
 from tgserve.kernels.testing import compiled_kernel_name
-from tgserve.server.engine import EngineArgs, LLMEngine
-from tgserve.server.sampling_params import SamplingParams
+from tgserve.server.config.engine_args import EngineArgs
+from tgserve.server.engine.llm_engine import LLMEngine
+from tgserve.server.protocol.params import SamplingParams
 
 engine = LLMEngine(EngineArgs(model=sys.argv[1], device="cuda", block_size=16, num_blocks=256, max_num_seqs=16))
 compiled = []

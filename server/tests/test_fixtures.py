@@ -1,6 +1,6 @@
 """The tiny-model fixture factory: every architecture loads with the Auto classes, decodes greedily into
 varied text, carries its family's special features, and is built once then reused from the cache.
-Also the default model's GGUF lookup (server/default_model.py)."""
+Also the default model's GGUF lookup (server/loading/default_model.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from tgserve.server import default_model
+from tgserve.server.loading import default_model
 from tgserve.server.testing import fixtures
 from tgserve.server.testing.fixtures import (
     FIXTURE_ARCHITECTURES,

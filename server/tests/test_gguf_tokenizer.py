@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from tgserve.router.tokenization import RouterTokenizer
-from tgserve.server.default_model import default_model_gguf
-from tgserve.server.loader import ModelSource, load_tokenizer
+from tgserve.server.loading.default_model import default_model_gguf
+from tgserve.server.loading.source import ModelSource, load_tokenizer
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 

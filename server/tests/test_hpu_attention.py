@@ -1,8 +1,8 @@
 """The hpu attention backend against the torch reference twins (kernels/reference.py), on CPU.
 
 The Habana boundary is replaced in one place: the backend is built with
-`tgserve.server.hpu.testing.TorchStandInOps` (torch's SDPA standing in for FusedSDPA) instead of
-`tgserve.server.hpu.ops.GaudiOps`; everything else is the backend's own code. The last test is the
+`tgserve.server.testing.habana_stand_in.TorchStandInOps` (torch's SDPA standing in for FusedSDPA) instead of
+`tgserve.server.device.habana.GaudiOps`; everything else is the backend's own code. The last test is the
 same comparison on a real Gaudi with the real ops (`hpu`-marked, skipped elsewhere).
 
 Each step is built twice: as the reference sees it (real sequences only, slot -1 never written) and
@@ -24,16 +24,17 @@ import pytest
 import torch
 
 from tgserve.kernels.reference import paged_attention, write_kv
-from tgserve.server import model_shard
 from tgserve.server.attention.backend import AttentionLayerParams
 from tgserve.server.attention.hpu import HpuAttentionBackend, hpu_step_plan
 from tgserve.server.attention.metadata import AttentionMetadata
-from tgserve.server.engine import EngineArgs, LLMEngine
-from tgserve.server.hpu import ops
-from tgserve.server.hpu.testing import TorchStandInOps
-from tgserve.server.kv_cache import KVCacheSpec
-from tgserve.server.static_shapes.buckets import BucketConfig
+from tgserve.server.config.buckets import BucketConfig
+from tgserve.server.config.engine_args import EngineArgs
+from tgserve.server.device import habana as ops
+from tgserve.server.engine import model_shard
+from tgserve.server.engine.llm_engine import LLMEngine
+from tgserve.server.kv_cache.spec import KVCacheSpec
 from tgserve.server.testing.fixtures import fixture_path
+from tgserve.server.testing.habana_stand_in import TorchStandInOps
 
 from .parity import build_requests, run_engine
 
@@ -142,7 +143,7 @@ def expected(step: Step, layer: AttentionLayerParams) -> tuple[torch.Tensor, tor
 def run_hpu(step: Step, layer: AttentionLayerParams, ops_: TorchStandInOps | None = None):
     pool = step.pool.clone()
     backend = HpuAttentionBackend(ops_ or TorchStandInOps())
-    out = backend.forward(step.query, step.key, step.value, pool, step.metadata, layer)
+    out = backend.forward(step.query, step.key, step.value, pool, backend.plan(step.metadata), layer)
     return out, pool
 
 
@@ -243,7 +244,6 @@ def replayed(captured: Step, replay: Step) -> Step:
     meta = replay.metadata
     meta.query_start_loc_cpu = captured.metadata.query_start_loc_cpu
     meta.seq_lens_cpu = captured.metadata.seq_lens_cpu
-    meta.backend_cache.clear()
     return replay
 
 
@@ -304,14 +304,14 @@ def test_static_runner_with_the_hpu_backend_gives_the_cpu_tokens(arch, decode_gr
     )
     got, engine = serve_scenario(arch, buckets)
     assert got == expected
-    assert engine.runner.kv_caches[0].shape[1] > engine.num_blocks  # the scratch block
+    assert engine.runner.forward.kv_caches[0].shape[1] > engine.num_blocks  # the scratch block
     assert stand_in.calls["fused_sdpa"] > 0 or arch == "gemma2"
     assert stand_in.calls["mark_step"] > 0  # after each forward and each sampling
-    graphs, shapes = stand_in.graphs, engine.runner.static.warmup_shapes()
+    graphs, shapes = stand_in.graphs, engine.shard.shapes.warmup_shapes()
     graphed = [s for s in shapes if s.decode or not decode_graphs_only]
     # One capture per graphed warmup shape, none for shapes met later (there were none), replays while serving.
     assert stand_in.calls["wrap_in_hpu_graph"] == 1 and len(graphs.captured) == len(graphed)
-    assert graphs.replays > 0 and engine.runner.shape_log.after_warmup == 0
+    assert graphs.replays > 0 and engine.shard.static_executor.log.after_warmup == 0
 
 
 def test_nothing_imports_habana_frameworks_at_import_time():
@@ -325,8 +325,8 @@ class Refuse:
             raise AssertionError('imported ' + name)
 sys.meta_path.insert(0, Refuse())
 import torch
-import tgserve.server.attention.hpu, tgserve.server.hpu.ops, tgserve.server.hpu.testing
-from tgserve.server.attention.backend import attention_backend
+import tgserve.server.attention.hpu, tgserve.server.device.habana, tgserve.server.testing.habana_stand_in
+from tgserve.server.attention.registry import attention_backend
 backend = attention_backend(torch.device('hpu'))
 assert type(backend).__name__ == 'HpuAttentionBackend' and backend.scratch_blocks == 1
 assert type(backend.ops).__name__ == 'GaudiOps'
@@ -360,7 +360,7 @@ def test_matches_reference_on_a_gaudi(window, softcap):
         )
         pool = step.pool.to(device)
         q, k, v = (t.to(device) for t in (step.query, step.key, step.value))
-        out = backend.forward(q, k, v, pool, on_device, layer)
+        out = backend.forward(q, k, v, pool, backend.plan(on_device), layer)
         backend.ops.mark_step()
         torch.testing.assert_close(out.cpu()[step.real_rows], want, atol=2e-3, rtol=2e-3)
         assert torch.equal(pool.cpu()[:, :-1], want_pool[:, :-1])

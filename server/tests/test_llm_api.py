@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from tgserve import LLM, SamplingParams
-from tgserve.server.errors import ModelLoadError, ModelNotFoundError
+from tgserve.server.loading.errors import ModelLoadError, ModelNotFoundError
 from tgserve.server.models.registry import UnsupportedModelError
-from tgserve.server.sampling_params import InvalidRequestError
+from tgserve.server.protocol.params import InvalidRequestError
 from tgserve.server.testing.fixtures import fixture_path, write_corrupt_copy
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
@@ -155,7 +155,7 @@ def test_pickle_only_checkpoints_are_refused(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_default_model_answers_from_its_gguf(monkeypatch: pytest.MonkeyPatch) -> None:
     """... from one parse of the file for its config, tokenizer and weights, and one table of
-    tensor names (server/gguf_parsing.py); gguf is left as it was."""
+    tensor names (server/loading/gguf_parsing.py); gguf is left as it was."""
     import gguf
 
     parses, tables = [], []

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from tgserve.server.memory import GIB, DeviceAtStart, check_share_is_free
+from tgserve.server.execution.memory import GIB, DeviceAtStart, check_share_is_free
 
 
 def test_a_free_share_passes():
@@ -48,7 +48,8 @@ def test_a_share_outside_zero_to_one_is_refused(utilization):
 # until its stdin closes.
 HOLDER = """
 import sys
-from tgserve.server.engine import EngineArgs, LLMEngine
+from tgserve.server.config.engine_args import EngineArgs
+from tgserve.server.engine.llm_engine import LLMEngine
 engine = LLMEngine(EngineArgs(model=sys.argv[1], device="cuda", gpu_memory_utilization=0.4, cuda_graphs=False,
                               warm_up=False))
 print(engine.num_blocks, flush=True)
@@ -59,7 +60,8 @@ sys.stdin.read()
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_two_engines_share_one_gpu(tmp_path):
-    from tgserve.server.engine import EngineArgs, LLMEngine
+    from tgserve.server.config.engine_args import EngineArgs
+    from tgserve.server.engine.llm_engine import LLMEngine
     from tgserve.server.testing.fixtures import fixture_path
 
     gc.collect()

@@ -10,8 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tgserve.server.engine import EngineArgs, LLMEngine
-from tgserve.server.hf_compat import dtype_kwargs
+from tgserve.server.config.engine_args import EngineArgs
+from tgserve.server.engine.llm_engine import LLMEngine
+from tgserve.server.loading.hf_compat import dtype_kwargs
 from tgserve.server.testing.fixtures import FIXTURE_ARCHITECTURES, fixture_path
 from tgserve.server.testing.smollm2 import smollm2_checkpoint
 
@@ -41,7 +42,7 @@ def test_native_architectures_also_run_through_the_fallback(arch: str) -> None:
     path = fixture_path(arch)
     hf_model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", **FLOAT32)
     engine = _run(str(path), hf_model, force_transformers_fallback=True)
-    assert type(engine.runner.model).__name__ == "TransformersFallbackModel"
+    assert type(engine.runner.forward.model).__name__ == "TransformersFallbackModel"
 
 
 def test_native_implementations_are_used_for_their_families() -> None:
@@ -51,7 +52,7 @@ def test_native_implementations_are_used_for_their_families() -> None:
         ("gpt_bigcode", "GPTBigCodeForCausalLM"),
     ]:
         engine = LLMEngine(EngineArgs(model=str(fixture_path(arch)), num_blocks=8))
-        assert type(engine.runner.model).__name__ == expected
+        assert type(engine.runner.forward.model).__name__ == expected
 
 
 @pytest.mark.slow

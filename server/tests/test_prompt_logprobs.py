@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tgserve import LLM, SamplingParams
-from tgserve.server.hf_compat import dtype_kwargs
+from tgserve.server.loading.hf_compat import dtype_kwargs
 from tgserve.server.testing.fixtures import fixture_path
 
 SCORED = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True, prompt_logprobs=2)
@@ -77,7 +77,7 @@ def test_last_layer_after_attention_runs_only_for_the_rows_logits_read() -> None
     and MLP on that row (the other layers on all 40), and its token and log-probabilities equal
     those of a step that reads every row (prompt log-probabilities on)."""
     llm = llama_on_cpu(max_num_batched_tokens=64, block_size=8, num_blocks=64, enable_prefix_caching=False)
-    layers = llm.engine.runner.model.model.layers
+    layers = llm.engine.runner.forward.model.model.layers
     rows = {"first": [], "last": [], "last o_proj": []}
     layers[0].mlp.register_forward_hook(lambda m, args, out: rows["first"].append(args[0].shape[0]))
     layers[-1].mlp.register_forward_hook(lambda m, args, out: rows["last"].append(args[0].shape[0]))

@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from tgserve import LLM, SamplingParams
-from tgserve.kernels.fp8 import FP8
-from tgserve.server.errors import ModelLoadError
+from tgserve.kernels.fp8_format import FP8
+from tgserve.server.loading.errors import ModelLoadError
+from tgserve.server.loading.quantization import checkpoint_quantization
 from tgserve.server.models.parallel_layers import ColumnParallelLinear, RowParallelLinear
-from tgserve.server.quantization import checkpoint_quantization
 from tgserve.server.testing.agreement import (
     TOPICS,
     chat_prompts,
@@ -63,12 +63,14 @@ def test_an_fp8_checkpoint_loads_its_rows_and_scales_as_they_are(tmp_path: Path)
         str(write_fp8_checkpoint(fixture_path("llama"), tmp_path / "fp8", "channel")), num_blocks=32
     )
     quantized = LLM(str(fixture_path("llama")), quantize="fp8", num_blocks=32)
-    mine, theirs = (dict(llm.engine.runner.model.named_parameters()) for llm in (checkpoint, quantized))
+    mine, theirs = (
+        dict(llm.engine.runner.forward.model.named_parameters()) for llm in (checkpoint, quantized)
+    )
     qkv = "model.layers.1.self_attn.qkv_proj"
     assert mine[f"{qkv}.weight"].dtype == FP8
     assert torch.equal(mine[f"{qkv}.weight"].view(torch.uint8), theirs[f"{qkv}.weight"].view(torch.uint8))
     assert torch.equal(
-        mine[f"{qkv}.weight_scale"], quantized.engine.runner.model.get_buffer(f"{qkv}.weight_scale")
+        mine[f"{qkv}.weight_scale"], quantized.engine.runner.forward.model.get_buffer(f"{qkv}.weight_scale")
     )
     text = "Once upon a time there was a little dog"
     ask = SamplingParams(temperature=0.0, max_new_tokens=4, prompt_logprobs=0, ignore_eos=True)
@@ -83,7 +85,7 @@ def test_an_fp8_checkpoint_with_a_scale_per_tensor_repeats_it_for_each_row(
 ) -> None:
     checkpoint = write_fp8_checkpoint(fixture_path("llama"), tmp_path / "fp8", "tensor", layout)
     llm = LLM(str(checkpoint), num_blocks=32)
-    scales = llm.engine.runner.model.get_parameter("model.layers.0.self_attn.qkv_proj.weight_scale")
+    scales = llm.engine.runner.forward.model.get_parameter("model.layers.0.self_attn.qkv_proj.weight_scale")
     config = json.loads((fixture_path("llama") / "config.json").read_text())
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config["hidden_size"] // heads
@@ -150,7 +152,7 @@ def test_fp8_refuses_projection_sizes_its_products_cannot_take() -> None:
 def test_fp8_engine_stores_projections_in_fp8_and_generates() -> None:
     plain = LLM(str(fixture_path("llama")), num_blocks=32)
     fp8 = LLM(str(fixture_path("llama")), quantize="fp8", num_blocks=32)
-    model = fp8.engine.runner.model
+    model = fp8.engine.runner.forward.model
     kinds = {name: p.dtype for name, p in model.named_parameters()}
     assert {kinds[n] for n in kinds if n.endswith("proj.weight")} == {FP8}
     assert kinds["model.embed_tokens.weight"] == kinds["model.norm.weight"] != FP8  # these stay put

@@ -14,7 +14,8 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
-from tgserve.server.sampler import (
+from tgserve.server.protocol.params import SamplingParams
+from tgserve.server.sampling.sampler import (
     Sampler,
     SamplingRow,
     apply_penalties,
@@ -26,7 +27,6 @@ from tgserve.server.sampler import (
     typical_p_filter,
     warp,
 )
-from tgserve.server.sampling_params import SamplingParams
 
 V = 64
 

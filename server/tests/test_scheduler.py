@@ -17,12 +17,12 @@ from dataclasses import dataclass
 
 import pytest
 
-from tgserve.server.config import SchedulerConfig
+from tgserve.server.config.scheduler import SchedulerConfig
 from tgserve.server.core.request import FinishReason, Request, RequestStatus
 from tgserve.server.core.scheduler import Scheduler
 from tgserve.server.core.scheduler_output import SchedulerOutput
-from tgserve.server.sampling_params import SamplingParams
-from tgserve.server.step_timing import step_kind
+from tgserve.server.core.step_timing import step_kind
+from tgserve.server.protocol.params import SamplingParams
 
 Model = Callable[[list[int]], int]
 

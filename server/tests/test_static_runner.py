@@ -11,9 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tgserve.server.engine import EngineArgs, LLMEngine
-from tgserve.server.sampling_params import SamplingParams
-from tgserve.server.static_shapes.buckets import BucketConfig, StaticShapes
+from tgserve.server.config.buckets import BucketConfig
+from tgserve.server.config.engine_args import EngineArgs
+from tgserve.server.engine.llm_engine import LLMEngine
+from tgserve.server.protocol.params import SamplingParams
+from tgserve.server.static_shapes.buckets import StaticShapes
 from tgserve.server.static_shapes.padding import pad_step, step_shape
 from tgserve.server.testing.fixtures import FIXTURE_ARCHITECTURES, fixture_path
 
@@ -50,8 +52,8 @@ def test_bucketed_steps_give_the_tokens_of_unpadded_ones(arch: str) -> None:
     expected, plain = serve(arch, None)
     got, engine = serve(arch, BUCKETS)
     assert got == expected
-    log = engine.runner.shape_log
-    assert log.num_compiled == len(engine.runner.static.warmup_shapes())
+    log = engine.shard.static_executor.log
+    assert log.num_compiled == len(engine.shard.shapes.warmup_shapes())
     assert log.after_warmup == 0, f"serving compiled {log.after_warmup} shapes warmup had not"
     served = log.served
     assert any(s.decode for s in served) and any(not s.decode for s in served) and len(served) > 6
@@ -71,12 +73,12 @@ def test_bucketed_steps_on_cuda_with_graphs(arch: str, device: str) -> None:
     expected, _ = serve(arch, None, device)
     got, engine = serve(arch, BUCKETS, device)
     assert got == expected
-    assert engine.runner.shape_log.after_warmup == 0
-    graphs = engine.runner.graphs
+    assert engine.shard.static_executor.log.after_warmup == 0
+    graphs = engine.shard.decode_graphs
     if arch in NOT_CAPTURABLE:
         assert graphs is None
         return
-    assert graphs is not None and sorted(graphs.graphs) == engine.runner.static.decode_batch
+    assert graphs is not None and sorted(graphs.graphs) == engine.shard.shapes.decode_batch
     assert graphs.num_replays > 0
 
 
@@ -86,13 +88,13 @@ def test_bucketed_steps_through_the_cuda_backend_on_cpu(arch: str, monkeypatch: 
     reads of the block tables) over padded steps, on CPU tensors: its kernels fall back to their
     torch twins, so what the GPU test above finds as an illegal memory access fails here as an
     IndexError, on every run of the suite."""
-    from tgserve.server import model_shard
     from tgserve.server.attention.cuda import CudaAttentionBackend
+    from tgserve.server.engine import model_shard
 
     expected, _ = serve(arch, None)
     monkeypatch.setattr(model_shard, "attention_backend", lambda device, sparse: CudaAttentionBackend(sparse))
     got, engine = serve(arch, BUCKETS, warm_up=True)  # as on a GPU: its lone prompt is a fresh step
-    assert isinstance(engine.runner.backend, CudaAttentionBackend)
+    assert isinstance(engine.runner.forward.backend, CudaAttentionBackend)
     assert got == expected
 
 
@@ -102,7 +104,7 @@ def test_padding_keeps_real_rows_in_place_and_adds_nothing_attended() -> None:
             model=str(fixture_path("llama")), static_shapes=True, buckets=BUCKETS, device="cpu", **TIGHT
         )
     )
-    shapes: StaticShapes = engine.runner.static
+    shapes: StaticShapes = engine.shard.shapes
     captured = []
     prepare = engine.runner._prepare_inputs
     engine.runner._prepare_inputs = lambda out: captured.append(prepare(out)) or captured[-1]

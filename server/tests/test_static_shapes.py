@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from tgserve.server.config.buckets import BucketConfig
 from tgserve.server.static_shapes.buckets import (
-    BucketConfig,
     StaticShapes,
     StepShape,
     bucket_for,

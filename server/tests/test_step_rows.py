@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from tgserve.server.step_rows import HostRows, span_slots
+from tgserve.server.execution.step_rows import HostRows, span_slots
 
 
 @pytest.mark.parametrize("start,end", [(0, 1), (0, 16), (3, 9), (5, 40), (16, 33), (31, 97)])

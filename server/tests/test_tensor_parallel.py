@@ -12,12 +12,13 @@ import torch
 import torch.multiprocessing as mp
 
 from tgserve.server.attention.cpu import CpuAttentionBackend
-from tgserve.server.kv_cache import allocate_kv_caches, kv_cache_specs
-from tgserve.server.loader import load_config, resolve_model
-from tgserve.server.memory import dummy_prefill_metadata
-from tgserve.server.model_loader import load_model
-from tgserve.server.runner import ModelRunner
-from tgserve.server.shard_workers import free_tcp_address
+from tgserve.server.engine.shard_workers import free_tcp_address
+from tgserve.server.execution.forward import ModelForward
+from tgserve.server.execution.memory import profiling_step
+from tgserve.server.kv_cache.pool import allocate_kv_caches
+from tgserve.server.kv_cache.spec import kv_cache_specs
+from tgserve.server.loading.source import load_config, resolve_model
+from tgserve.server.models.loader import load_model
 from tgserve.server.testing.fixtures import fixture_path, write_fp8_checkpoint
 
 NUM_TOKENS, NUM_PROMPTS = 31, 3  # fresh prompts of 11, 10 and 10 tokens in one flat batch
@@ -32,19 +33,18 @@ def prompt_logits(path: str, world_size: int = 1, quantize: str | None = None) -
     assert attention.num_heads * world_size == config.num_attention_heads  # really a shard
     assert model.model.embed_tokens.weight.shape[0] == -(-config.vocab_size // world_size)
     specs = kv_cache_specs(config, torch.float32, world_size)
-    runner = ModelRunner(model, allocate_kv_caches(specs, 1, 8, torch.device("cpu")), specs,
-                         CpuAttentionBackend(), 8, torch.device("cpu"))  # fmt: skip
-    metadata = dummy_prefill_metadata(NUM_TOKENS, NUM_PROMPTS, 8, torch.device("cpu"))
+    forward = ModelForward(model, CpuAttentionBackend(), specs)
+    forward.kv_caches = allocate_kv_caches(specs, 1, 8, torch.device("cpu"))
+    step = profiling_step(NUM_TOKENS, NUM_PROMPTS, 8, torch.device("cpu"))
     ids = torch.arange(NUM_TOKENS) % 50 + 10
-    positions = torch.cat([torch.arange(n) for n in metadata.seq_lens_cpu])
-    return runner.forward(ids, positions, metadata, torch.tensor(metadata.query_start_loc_cpu[1:]) - 1)
+    return forward(ids, step.positions, step.metadata, step.logits_indices)
 
 
 def _shard(rank: int, world_size: int, address: str, path: str, results, quantize: str | None = None) -> None:
     import torch.distributed as dist
 
-    from tgserve.server.distributed import init_tensor_parallel, shutdown_tensor_parallel
-    from tgserve.server.shard_workers import exit_without_teardown
+    from tgserve.server.distributed.tensor_parallel import init_tensor_parallel, shutdown_tensor_parallel
+    from tgserve.server.engine.shard_workers import exit_without_teardown
 
     init_tensor_parallel(rank, world_size, address, backend="gloo")
     results.put((rank, prompt_logits(path, world_size, quantize).numpy()))  # by value: the worker exits first
@@ -110,8 +110,9 @@ def test_an_engine_of_two_shards_generates_the_tokens_of_one() -> None:
     each step's tokens and with it scheduling the next step first (async scheduling, as on GPUs;
     the worker launches each step before reading the last one's tokens either way), and after the
     engine's warm-up requests (on by default on GPUs)."""
-    from tgserve.server.engine import EngineArgs, LLMEngine
-    from tgserve.server.sampling_params import SamplingParams
+    from tgserve.server.config.engine_args import EngineArgs
+    from tgserve.server.engine.llm_engine import LLMEngine
+    from tgserve.server.protocol.params import SamplingParams
 
     prompts = [list(range(10, 10 + n)) for n in (40, 7, 23)]
     params = [
@@ -146,9 +147,9 @@ def test_an_engine_of_two_shards_generates_the_tokens_of_one() -> None:
 
 
 def test_an_architecture_without_tensor_parallel_layers_is_refused_by_name() -> None:
-    import tgserve.server.distributed as distributed
-    from tgserve.server.distributed import TensorParallel
-    from tgserve.server.errors import ModelLoadError
+    import tgserve.server.distributed.tensor_parallel as distributed
+    from tgserve.server.distributed.tensor_parallel import TensorParallel
+    from tgserve.server.loading.errors import ModelLoadError
 
     source = resolve_model(str(fixture_path("gpt_bigcode")))
     previous = distributed._current
@@ -166,7 +167,7 @@ def test_a_worker_dying_while_loading_stops_the_engine_at_once_saying_so() -> No
     exits with code 3 before joining: the engine process must end within seconds, naming it."""
     script = f"""
 import multiprocessing as mp, os
-import tgserve.server.engine as engine
+import tgserve.server.engine.llm_engine as engine
 
 def start_dying(args, address):  # rank 1, which dies at once
     worker = mp.get_context("spawn").Process(target=os._exit, args=(3,), name="tgserve-shard-1")

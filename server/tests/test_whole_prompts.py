@@ -16,12 +16,13 @@ import torch
 
 from tgserve.kernels import dispatch
 from tgserve.kernels.sparse.config import HeadPattern, SparseConfig
-from tgserve.server import model_shard
 from tgserve.server.attention.cuda import CudaAttentionBackend
-from tgserve.server.engine import EngineArgs, LLMEngine
-from tgserve.server.kv_cache import kv_bytes_per_token
-from tgserve.server.memory import GIB, MemoryProfile
-from tgserve.server.sampling_params import SamplingParams
+from tgserve.server.config.engine_args import EngineArgs
+from tgserve.server.engine import model_shard
+from tgserve.server.engine.llm_engine import LLMEngine
+from tgserve.server.execution.memory import GIB, MemoryProfile
+from tgserve.server.kv_cache.spec import kv_bytes_per_token
+from tgserve.server.protocol.params import SamplingParams
 from tgserve.server.testing.fixtures import fixture_path
 
 WHOLE = 64
@@ -157,7 +158,7 @@ def test_on_a_gpu_a_given_pool_size_keeps_long_prompts_chunked(
     and a whole 128K-token step could then run out of memory mid-serving: chunks instead, said so.
     The decision alone, for a CUDA device (no GPU needed to make it)."""
     shard = SimpleNamespace(
-        runner=SimpleNamespace(backend=CudaAttentionBackend(EXACT_SPARSE)),
+        backend=CudaAttentionBackend(EXACT_SPARSE),
         max_model_len=256,
         buckets=None,
         device=torch.device("cuda"),

@@ -1,0 +1,70 @@
+"""The per-step context through which model layers reach the backend, the metadata and their KV views.
+
+Models never take backend arguments in their forward signature (that is how model files get forked
+per backend); the runner sets this context once per step and attention layers read it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from tgserve.server.attention.backend import AttentionBackend, AttentionLayerParams, StepPlan
+from tgserve.server.attention.metadata import AttentionMetadata
+from tgserve.server.kv_cache.spec import KVCacheSpec
+
+
+@dataclass
+class ForwardContext:
+    """One forward pass: the backend and the plan it made for the step, the per-layer KV views."""
+
+    backend: AttentionBackend
+    plan: StepPlan
+    kv_caches: list[torch.Tensor]
+    specs: list[KVCacheSpec]
+
+    @property
+    def metadata(self) -> AttentionMetadata:
+        return self.plan.metadata
+
+
+_current: ForwardContext | None = None
+
+
+@contextmanager
+def forward_context(context: ForwardContext) -> Iterator[None]:
+    """Make `context` the current one for the duration of a forward pass."""
+    global _current
+    previous, _current = _current, context
+    try:
+        yield
+    finally:
+        _current = previous
+
+
+def get_forward_context() -> ForwardContext:
+    if _current is None:
+        raise RuntimeError("attention was called outside a forward pass set up by the model runner")
+    return _current
+
+
+def paged_attention(
+    layer_idx: int,
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,
+    scale: float,
+    softcap: float | None = None,
+    rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention for layer `layer_idx` of the current step, reading and writing its KV view; with
+    `rows`, the output of those query rows only (every row's keys and values are stored)."""
+    ctx = get_forward_context()
+    layer = AttentionLayerParams(ctx.specs[layer_idx], scale, softcap, layer_idx)
+    cache = ctx.kv_caches[layer_idx]
+    if rows is None:
+        return ctx.backend.forward(query, key, value, cache, ctx.plan, layer)
+    return ctx.backend.forward_rows(query, key, value, cache, ctx.plan, layer, rows)

@@ -1,0 +1,1 @@
+"""Tensor parallelism: the shard this process holds and its collectives."""

@@ -1,0 +1,240 @@
+"""LLMEngine: the continuous-batching loop's one step, over a model, a paged KV pool and a scheduler.
+
+`add_request` validates and queues; `step` schedules, runs the model once and returns per-request
+deltas. A bad request is refused at `add_request` with InvalidRequestError and never reaches the
+loop, so it cannot stop the engine from serving the others.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+
+import torch
+
+from tgserve.server.config.engine_args import EngineArgs
+from tgserve.server.config.scheduler import SchedulerConfig
+from tgserve.server.core.request import FinishReason, Request
+from tgserve.server.core.scheduler import Scheduler
+from tgserve.server.core.scheduler_output import SchedulerOutput
+from tgserve.server.core.step_timing import StepClock, step_kind
+from tgserve.server.distributed.tensor_parallel import (
+    TensorParallel,
+    init_tensor_parallel,
+    shutdown_tensor_parallel,
+)
+from tgserve.server.engine.model_shard import build_shard
+from tgserve.server.engine.shard_workers import WorkerWatch, free_tcp_address, shard_device, start_workers
+from tgserve.server.engine.warm_up import warm_up
+from tgserve.server.execution.memory import MemoryProfile
+from tgserve.server.execution.runner import LaunchedStep, RunnerOutput
+from tgserve.server.loading.description import ModelDescription, eos_token_ids, load_model_description
+from tgserve.server.loading.source import load_tokenizer
+from tgserve.server.protocol.outputs import EngineStats, RequestOutput, TokenLogprob
+from tgserve.server.protocol.params import InvalidRequestError, SamplingParams, check_prompt_tokens
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    """One model served by continuous batching over a paged KV cache: on one device, or as rank 0
+    of `tensor_parallel_size` shards whose workers take every step with it."""
+
+    def __init__(self, args: EngineArgs, described: ModelDescription | None = None) -> None:
+        self.args = args
+        described = described or load_model_description(args)
+        self.device, self.dtype, self.source = described.device, described.dtype, described.source
+        self.config, self.max_model_len = described.config, described.max_model_len
+        self.model_id = args.model or "HuggingFaceTB/SmolLM2-135M-Instruct"
+        self.tokenizer = load_tokenizer(self.source, args.trust_remote_code)
+        self.eos_token_ids = eos_token_ids(self.config, self.tokenizer, self.source)
+        self.vocab_size = int(self.config.vocab_size)
+        self.tp, self.workers = self._join_shards()
+        self.shard = build_shard(args, described, self.device, self.tp)
+        self.runner, self.num_blocks = self.shard.runner, self.shard.num_blocks
+        self.memory_profile: MemoryProfile | None = self.shard.memory_profile
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_num_seqs=args.max_num_seqs,
+                max_model_len=self.max_model_len,
+                block_size=args.block_size,
+                num_blocks=self.num_blocks,
+                enable_prefix_caching=args.enable_prefix_caching,
+                whole_prompt_tokens=self.shard.whole_prompt_tokens,
+            )
+        )
+        self._last_step = (0, 0)
+        self.step_clock = StepClock()  # step durations since start (or the last reset_counters)
+        self.async_scheduling = (
+            self.device.type == "cuda" if args.async_scheduling is None else args.async_scheduling
+        )
+        self._in_flight: tuple[SchedulerOutput, LaunchedStep, float] | None = None
+        # Prompt log-probabilities gathered over a request's prefill chunks, sent with its first token.
+        self._prompt_logprobs: dict[str, list[TokenLogprob]] = {}
+        warm = self.device.type == "cuda" if args.warm_up is None else args.warm_up
+        if warm:
+            seconds = warm_up(self, self.num_blocks, self.shard.backend.whole_prompt_tokens)
+            logger.info("warm-up requests took %.2f s", seconds)
+        logger.info(
+            "engine ready: %s, %d KV blocks of %d tokens",
+            self.source.display_name,
+            self.num_blocks,
+            args.block_size,
+        )
+
+    def _join_shards(self) -> tuple[TensorParallel, list]:
+        """With several shards: start ranks 1..N-1 and join their process group as rank 0."""
+        size = self.args.tensor_parallel_size
+        if size == 1:
+            return TensorParallel(), []
+        if self.device.type == "cuda" and torch.cuda.device_count() < size:
+            raise ValueError(f"--num-shard {size} needs {size} GPUs; {torch.cuda.device_count()} are visible")
+        address = free_tcp_address()
+        workers = start_workers(self.args, address)
+        self._watch = WorkerWatch(workers)
+        tp = init_tensor_parallel(0, size, address)
+        self.device = shard_device(self.device, 0)
+        return tp, workers
+
+    def close(self) -> None:
+        """Stop the shard workers (nothing to do with one shard). Idempotent."""
+        if self.workers:
+            self._watch.stop()
+            self.tp.broadcast_object(None)
+            for worker in self.workers:
+                worker.join(timeout=30)
+                if worker.exitcode is None:
+                    logger.warning("shard worker %s did not stop within 30 s", worker.name)
+                elif worker.exitcode != 0:
+                    logger.warning("shard worker %s ended with exit code %d", worker.name, worker.exitcode)
+            self.workers, self.tp = [], TensorParallel()
+            shutdown_tensor_parallel()
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Validate and queue a request; raises InvalidRequestError naming the problem and the limit."""
+        self._validate(request_id, prompt_token_ids)
+        self.scheduler.add_request(Request(request_id, prompt_token_ids, params, self.eos_token_ids))
+        if params.prompt_logprobs is not None:
+            self._prompt_logprobs[request_id] = []
+
+    def _validate(self, request_id: str, prompt: list[int]) -> None:
+        if self.scheduler.get_request(request_id) is not None:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        check_prompt_tokens(prompt, self.vocab_size)
+        if len(prompt) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(prompt)} tokens but the model's context is {self.max_model_len} tokens: "
+                f"at most {self.max_model_len - 1} prompt tokens leave room for one new token"
+            )
+        capacity = self.num_blocks * self.args.block_size
+        if len(prompt) + 1 > capacity:
+            raise InvalidRequestError(
+                f"prompt has {len(prompt)} tokens but the KV cache holds at most {capacity} tokens"
+            )
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        request_ids = list(request_ids)
+        self.scheduler.abort_requests(request_ids)
+        for request_id in request_ids:
+            self._prompt_logprobs.pop(request_id, None)
+
+    def finish_request(self, request_id: str, reason: str | FinishReason) -> None:
+        """End a request early, e.g. with "stop_sequence" when a stop string was found downstream."""
+        self.scheduler.finish_request(request_id, FinishReason(reason))
+        self._prompt_logprobs.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def needs_step(self) -> bool:
+        """Unfinished requests, finished ones (aborts, stop strings) whose state a step releases, or
+        a step in flight whose output is still to be read."""
+        return (
+            self.scheduler.has_unfinished_requests()
+            or self.scheduler.has_finished_requests()
+            or self._in_flight is not None
+        )
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule and launch a step, and report every request that gained a token or finished.
+
+        With async scheduling the outputs reported are the previous step's: this step was scheduled
+        and queued on the device before they were read, so the device never waits for the host.
+        """
+        started = time.monotonic()
+        scheduler_output = self.scheduler.schedule()
+        self.tp.broadcast_object(scheduler_output)  # to the other shards, if any
+        launched = (scheduler_output, self.runner.launch(scheduler_output), started)
+        if not self.async_scheduling:
+            return self._apply(*launched)
+        previous = self._in_flight
+        self._in_flight = None if scheduler_output.is_empty else launched
+        return self._apply(*previous) if previous is not None else []
+
+    def _apply(
+        self, scheduler_output: SchedulerOutput, launched: LaunchedStep, started: float
+    ) -> list[RequestOutput]:
+        """Read a launched step's tokens and hand them to the scheduler."""
+        runner_output = self.runner.collect(launched)
+        tokens, seqs = scheduler_output.total_num_scheduled_tokens, len(scheduler_output.num_scheduled_tokens)
+        self._last_step = (tokens, seqs)
+        if seqs:
+            kind = step_kind(len(scheduler_output.scheduled_new_requests), tokens, seqs)
+            self.step_clock.record(time.monotonic() - started, kind)
+        updated = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
+        self._collect_prompt_logprobs(runner_output)
+        return [self._output(request, runner_output) for request in updated]
+
+    def _collect_prompt_logprobs(self, runner_output: RunnerOutput) -> None:
+        for request_id, (first, scored) in runner_output.prompt_logprobs.items():
+            collected = self._prompt_logprobs.get(request_id)
+            if collected is None:
+                continue
+            # Position p of the prompt is entry p - 1. A preempted request recomputes its prompt:
+            # positions already collected are skipped.
+            collected.extend(scored[len(collected) - (first - 1) :])
+
+    def _output(self, request: Request, runner_output: RunnerOutput) -> RequestOutput:
+        sampled = request.request_id in runner_output.sampled_token_ids
+        logprob = runner_output.logprobs.get(request.request_id)
+        prompt_logprobs = None
+        if sampled or request.is_finished:
+            collected = self._prompt_logprobs.pop(request.request_id, None)
+            prompt_logprobs = None if collected is None else [None, *collected]
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=[request.output_token_ids[-1]] if sampled else [],
+            new_logprobs=[logprob] if logprob is not None else None,
+            finished=request.is_finished,
+            finish_reason=request.finish_reason.value if request.finish_reason else None,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=max(0, request.num_cached_tokens),
+            num_output_tokens=request.num_output_tokens,
+            prompt_logprobs=prompt_logprobs,
+            scheduled_at=request.first_scheduled_time,
+        )
+
+    def reset_counters(self) -> None:
+        """Zero what stats() counts since start (after the engine's own warm-up requests, so that
+        metrics count only what clients asked)."""
+        self.scheduler.reset_counters()
+        self._last_step = (0, 0)
+        self.step_clock = StepClock()
+
+    def stats(self) -> EngineStats:
+        stats = self.scheduler.stats()
+        tokens, seqs = self._last_step
+        return EngineStats(
+            **{
+                **stats.__dict__,
+                "step_num_tokens": tokens,
+                "step_num_seqs": seqs,
+                "step_durations": self.step_clock.snapshot(),
+            }
+        )

@@ -1,0 +1,275 @@
+"""One tensor-parallel shard of a model on its device: the weights, the KV pool, the executor that
+runs its steps and the runner.
+
+With one shard (the default) it is the whole model. The engine builds one in its own process (rank
+0); with `tensor_parallel_size > 1` every other rank builds its own in a worker process
+(`shard_workers.py` beside this module), and all of them take the same steps together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+
+from tgserve.kernels.sparse.config import SparseConfig, load_sparse_config
+from tgserve.server.attention.registry import attention_backend
+from tgserve.server.config.engine_args import EngineArgs
+from tgserve.server.distributed.tensor_parallel import TensorParallel
+from tgserve.server.execution.cuda_graphs import CudaGraphExecutor, DecodeGraphs
+from tgserve.server.execution.executor import EagerExecutor, StepExecutor
+from tgserve.server.execution.forward import ModelForward
+from tgserve.server.execution.memory import (
+    GIB,
+    MemoryProfile,
+    check_kv_budget,
+    check_share_is_free,
+    device_at_start,
+    profile_step,
+)
+from tgserve.server.execution.runner import ModelRunner
+from tgserve.server.kv_cache.pool import allocate_kv_caches, num_blocks_for_memory
+from tgserve.server.kv_cache.spec import kv_bytes_per_token, kv_cache_specs
+from tgserve.server.loading.description import ModelDescription
+from tgserve.server.loading.source import ModelSource
+from tgserve.server.models.loader import load_model
+from tgserve.server.static_shapes.buckets import StaticShapes
+from tgserve.server.static_shapes.executor import StaticShapeExecutor
+from tgserve.server.static_shapes.graphs import StepGraphs, StepModule
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_BYTES = 2 << 30
+SPARSE_CONFIG_FILE = "sparse_attention.json"
+# Captured decode graphs size their context splits for this many tokens; longer contexts stay
+# correct (the last split runs to the end) but use fewer parallel splits.
+GRAPH_CONTEXT_BOUND = 8192
+
+
+class ModelShard:
+    """Loads this rank's share of the model; `allocate` adds the KV pool, chooses the executor and
+    builds the runner."""
+
+    def __init__(
+        self,
+        args: EngineArgs,
+        source: ModelSource,
+        config: Any,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_model_len: int,
+    ) -> None:
+        self.args, self.source, self.device, self.max_model_len = args, source, device, max_model_len
+        # Before the weights: what others hold is not this server's, and a share that is not free
+        # fails here rather than after a long load.
+        self.device_at_start = None
+        if self._profiles_gpu_memory():
+            self.device_at_start = device_at_start(device)
+            check_share_is_free(self.device_at_start, args.gpu_memory_utilization)
+        if device.type == "cuda":
+            from tgserve.kernels.triton_common import set_programmatic_dependent_launch  # Triton: CUDA only
+
+            set_programmatic_dependent_launch(args.programmatic_dependent_launch)
+        model = load_model(
+            source,
+            config,
+            dtype,
+            device,
+            args.trust_remote_code,
+            args.allow_pickle,
+            args.force_transformers_fallback,
+            args.load_format,
+            args.quantize,
+        )
+        self.specs = kv_cache_specs(config, dtype, args.tensor_parallel_size)
+        self.backend = attention_backend(device, self._sparse_config())
+        self.forward = ModelForward(model, self.backend, self.specs)
+        static = device.type == "hpu" if args.static_shapes is None else args.static_shapes
+        self.buckets = args.buckets if static else None
+        self.shapes = None
+        if self.buckets is not None:
+            self.shapes = StaticShapes(
+                self.buckets, args.max_num_seqs, args.max_num_batched_tokens, max_model_len, args.block_size
+            )
+        # Set by `allocate`: the executor's parts, kept for their logs and counters.
+        self.static_executor: StaticShapeExecutor | None = None
+        self.decode_graphs: DecodeGraphs | None = None
+        self.runner: ModelRunner | None = None
+        self.memory_profile: MemoryProfile | None = None
+        self.num_blocks = 0  # until `allocate`
+        self.whole_prompt_tokens = self._whole_prompt_tokens()
+
+    def _whole_prompt_tokens(self) -> int | None:
+        """From what length prompts are prefilled whole, in a step of their own (the scheduler's
+        `whole_prompt_tokens`): the backend's (the sparse threshold on CUDA) where the model's
+        length reaches it. Static shapes bucket every step under the token budget: none there. On
+        a GPU whose KV pool size is given rather than profiled, nothing measures what such a step
+        needs beside the pool, so long prompts are chunked there too, and the log says so."""
+        whole = self.backend.whole_prompt_tokens
+        if whole is None or whole > self.max_model_len or self.buckets is not None:
+            return None
+        if self.device.type == "cuda" and not self._profiles_gpu_memory():
+            logger.warning(
+                "prompts of %d tokens or more are prefilled in chunks, with dense attention: the KV cache's "
+                "size is given (--max-batch-total-tokens), so the memory a whole prompt's step needs beside it "
+                "is not measured; without it the cache is sized by profiling such a step, and they are "
+                "prefilled whole, with sparse attention",
+                whole,
+            )
+            return None
+        return whole
+
+    def _sparse_config(self) -> SparseConfig | None:
+        """Sparse prefill patterns: the given file, else the model's `sparse_attention.json`, else defaults."""
+        if not self.args.sparse_prefill or self.device.type != "cuda":
+            return None
+        path = self.args.sparse_config
+        if path is None and (self.source.directory / SPARSE_CONFIG_FILE).is_file():
+            path = str(self.source.directory / SPARSE_CONFIG_FILE)
+        config = load_sparse_config(path)
+        if self.args.sparse_min_seq_len is not None:
+            config = dataclasses.replace(config, min_seq_len=self.args.sparse_min_seq_len)
+        return config
+
+    def _profiles_gpu_memory(self) -> bool:
+        """Whether the KV pool is sized by profiling GPU memory: neither blocks nor bytes are given."""
+        args = self.args
+        return self.device.type == "cuda" and not args.num_blocks and not args.kv_cache_memory_bytes
+
+    def size_kv_pool(self) -> int:
+        """Blocks in the KV pool: as given, else what the profiled GPU memory or the CPU budget holds.
+
+        On a GPU this runs the largest step (and, where long prompts are prefilled whole, a whole
+        prompt of the model's length): with several shards, every rank must call it.
+        """
+        args = self.args
+        if args.num_blocks:
+            return args.num_blocks
+        scratch = self.backend.scratch_blocks  # allocated beyond the block manager's blocks
+        if not self._profiles_gpu_memory():
+            memory = args.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
+            return max(1, num_blocks_for_memory(self.specs, args.block_size, memory) - scratch)
+        self.forward.kv_caches = allocate_kv_caches(self.specs, 1, args.block_size, self.device)
+        budget_step = self._profile_step(args.max_num_batched_tokens, args.max_num_seqs)
+        self.memory_profile = check_kv_budget(
+            budget_step, args.max_num_batched_tokens, args.gpu_memory_utilization
+        )
+        if self.whole_prompt_tokens is not None:
+            self._profile_whole_prompt(self._whole_prompt_step())
+        self.forward.kv_caches = []
+        logger.info(self.memory_profile.describe())
+        return max(
+            1,
+            num_blocks_for_memory(self.specs, args.block_size, self.memory_profile.kv_budget_bytes) - scratch,
+        )
+
+    def _profile_step(self, num_tokens: int, num_seqs: int) -> MemoryProfile:
+        """A prefill step of `num_tokens` over `num_seqs` sequences run on this GPU and measured."""
+        args = self.args
+        return profile_step(self.forward, num_tokens, num_seqs, args.block_size,
+                            args.gpu_memory_utilization, self.device, self.device_at_start)  # fmt: skip
+
+    def _whole_prompt_step(self) -> MemoryProfile | None:
+        """The profile of a whole prompt of the model's length, or None where it does not fit on the
+        GPU at all (a model of a million tokens' context)."""
+        try:
+            return self._profile_step(self.max_model_len, 1)
+        except torch.cuda.OutOfMemoryError:
+            pass  # the step's tensors are released with the exception, at the end of this clause
+        torch.cuda.empty_cache()
+        return None
+
+    def _profile_whole_prompt(self, longest: MemoryProfile | None) -> None:
+        """Keep the smaller KV budget of the two largest steps: the token budget's, and a whole prompt
+        of the model's length (`longest`). Where that prompt's step leaves less than one request of
+        that length needs, or did not fit at all, long prompts are chunked instead (dense
+        attention), and the log says so."""
+        one_request = self.max_model_len * kv_bytes_per_token(self.specs)
+        if longest is not None and longest.kv_budget_bytes >= one_request:
+            self.memory_profile = min(self.memory_profile, longest, key=lambda p: p.kv_budget_bytes)
+            return
+        step = f"a whole {self.max_model_len}-token prompt's step"
+        if longest is None:
+            why = f"{step} does not fit in GPU memory"
+        else:
+            why = (
+                f"{step} leaves {max(longest.kv_budget_bytes, 0) / GIB:.2f} GiB for the KV cache, less than the "
+                f"{one_request / GIB:.2f} GiB one such request needs"
+            )
+        logger.warning(
+            "prompts of %d tokens or more are prefilled in chunks, with dense attention: %s (lower "
+            "--max-total-tokens or raise --gpu-memory-utilization to prefill them whole, sparse)",
+            self.whole_prompt_tokens,
+            why,
+        )
+        self.whole_prompt_tokens = None
+
+    def allocate(self, num_blocks: int) -> None:
+        """The KV pool, then the executor (CUDA graphs capture steps over the pool; static shapes
+        are warmed up over it), then the runner that steps through them."""
+        self.num_blocks = num_blocks
+        pool = num_blocks + self.backend.scratch_blocks
+        self.forward.kv_caches = allocate_kv_caches(self.specs, pool, self.args.block_size, self.device)
+        executor = self._choose_executor()
+        if self.static_executor is not None and self.buckets.warmup:
+            self.static_executor.warm_up(self.args.block_size, self.device)
+        self.runner = ModelRunner(self.forward, executor, self.args.block_size, self.device)
+
+    def _choose_executor(self) -> StepExecutor:
+        """The one choice of how steps run: padded to static shapes or as they are, and on CUDA
+        with graphs on, decode steps replayed from captured graphs in front of either."""
+        executor: StepExecutor = EagerExecutor(self.forward)
+        if self.shapes is not None:
+            self.static_executor = StaticShapeExecutor(self.shapes, self.forward, self._step_graphs())
+            executor = self.static_executor
+        graphs = self.args.cuda_graphs and (self.buckets is None or self.buckets.graphs)
+        if self.device.type == "cuda" and graphs:
+            self.decode_graphs = self._capture_graphs()
+        if self.decode_graphs is not None:
+            executor = CudaGraphExecutor(self.decode_graphs, executor)
+        return executor
+
+    def _step_graphs(self) -> StepGraphs | None:
+        """Padded steps as modules of tensors, where the backend's work depends on shapes alone;
+        graph-wrapped by the backend when graphs are on (ENABLE_HPU_GRAPH; LIMIT_HPU_GRAPH keeps
+        prefill shapes out)."""
+        if not self.backend.shape_only:
+            return None
+        plain = StepModule(self.forward, self.args.block_size)
+        graphed = self.backend.graph_wrap(plain) if self.buckets.graphs else plain
+        return StepGraphs(graphed, plain, self.buckets.decode_graphs_only)
+
+    def _capture_graphs(self) -> DecodeGraphs | None:
+        block_size = self.args.block_size
+        graphs = DecodeGraphs(
+            self.forward,
+            max_batch=min(self.args.max_num_seqs, self.args.max_cuda_graph_batch),
+            max_blocks_per_seq=-(-self.max_model_len // block_size),
+            block_size=block_size,
+            context_bound=min(self.max_model_len, GRAPH_CONTEXT_BOUND),
+            device=self.device,
+            # With static shapes the decode batch buckets are the graphs' sizes.
+            sizes=self.shapes.decode_batch if self.shapes is not None else None,
+        )
+        try:
+            graphs.capture()
+        except RuntimeError as exc:  # e.g. host copies or data-dependent shapes in a model's code
+            torch.cuda.synchronize(self.device)
+            logger.warning("CUDA graphs are off: this model's decode step cannot be captured (%s)", exc)
+            return None
+        return graphs
+
+
+def build_shard(
+    args: EngineArgs, described: ModelDescription, device: torch.device, tp: TensorParallel
+) -> ModelShard:
+    """This rank's shard, ready to step. Every rank runs the same collectives in the same order here
+    (the profiling step, the pool size agreement, graph capture), so all of them call this."""
+    shard = ModelShard(
+        args, described.source, described.config, described.dtype, device, described.max_model_len
+    )
+    num_blocks = shard.size_kv_pool()
+    shard.allocate(tp.broadcast_object(num_blocks))  # rank 0's size: the pools must match
+    return shard

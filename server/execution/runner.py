@@ -1,0 +1,280 @@
+"""The model runner: turns a SchedulerOutput into flat tensors, runs the step through its executor,
+samples.
+
+It keeps its own copy of each scheduled request's tokens and blocks (new requests arrive in full,
+running ones as diffs) and appends the tokens it samples, as the scheduler does on its side.
+
+A step is launched (`launch`: inputs, forward, sampling, all queued on the device) and collected
+later (`collect`: the sampled tokens read on the host). Between the two the next step can be
+launched: a token still on its way sits in the request's list as a placeholder, and the next step
+reads it from the device tensor it was sampled into, so the host never waits for the GPU in between.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from tgserve.server.attention.metadata import AttentionMetadata
+from tgserve.server.core.scheduler_output import SchedulerOutput
+from tgserve.server.device.transfer import HostCopies, pinned_to, to_device
+from tgserve.server.execution.executor import StepExecutor
+from tgserve.server.execution.forward import ModelForward
+from tgserve.server.execution.step_inputs import PromptLogprobRows, StepInputs, padded_block_table
+from tgserve.server.execution.step_rows import HostRows, span_slots
+from tgserve.server.protocol.outputs import TokenLogprob
+from tgserve.server.protocol.params import SamplingParams
+from tgserve.server.sampling.sampler import LogprobTensors, Sampler, SamplingRow, logprob_tensors
+
+# A sampled token whose value is still on the device.
+PLACEHOLDER = -1
+
+
+@dataclass
+class RunnerRequestState:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    params: SamplingParams
+
+
+@dataclass
+class RunnerOutput:
+    """Sampled tokens of the requests that reached the end of their tokens this step."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    # request id -> (position of the first prompt token scored, its log-probability and the next ones')
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device whose results the host has not read yet."""
+
+    sampled_request_ids: list[str]
+    token_ids: torch.Tensor | None = None  # [len(sampled_request_ids)] on the device
+    placeholder_index: list[int] = field(default_factory=list)  # where each token goes in its list
+    logprob_rows: list[int] = field(default_factory=list)
+    copies: HostCopies | None = None  # token ids, then logprob tensors, then prompt logprob tensors
+    logprobs: LogprobTensors | None = None
+    prompt_rows: PromptLogprobRows = field(default_factory=PromptLogprobRows)
+    prompt_logprobs: LogprobTensors | None = None
+    output: RunnerOutput | None = None  # once collected
+
+    def row_of(self) -> dict[str, int]:
+        return {request_id: row for row, request_id in enumerate(self.sampled_request_ids)}
+
+    def device_results(self) -> list[torch.Tensor]:
+        """What the host reads of this step, in this order: token ids, logprobs, prompt logprobs."""
+        tensors = [self.token_ids] if self.token_ids is not None else []
+        for logprobs in (self.logprobs, self.prompt_logprobs):
+            tensors += logprobs.tensors() if logprobs is not None else []
+        return tensors
+
+
+class ModelRunner:
+    """One device's side of every request: its tokens and blocks, each step's inputs, the sampler.
+    The step's forward runs through `executor`, the shard's choice (eager, graphs, static shapes)."""
+
+    def __init__(
+        self, forward: ModelForward, executor: StepExecutor, block_size: int, device: torch.device
+    ) -> None:
+        self.forward = forward
+        self.executor = executor
+        self.block_size = block_size
+        self.device = device
+        self.sampler = Sampler()
+        self.requests: dict[str, RunnerRequestState] = {}
+        self._pending: LaunchedStep | None = None  # the last step launched and not yet collected
+
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        """Run one step and wait for its tokens."""
+        return self.collect(self.launch(scheduler_output))
+
+    @torch.inference_mode()
+    def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
+        """Queue one step on the device: inputs, forward, sampling, and the copies of its results."""
+        self._update_states(scheduler_output)
+        if scheduler_output.is_empty:
+            return LaunchedStep([], output=RunnerOutput())
+        if self._pending is not None and self._needs_known_tokens(scheduler_output):
+            self.collect(self._pending)
+        inputs = self._prepare_inputs(scheduler_output)
+        logits = self.executor.run(inputs)[: inputs.logits_indices.shape[0]]  # padding rows dropped
+        self.forward.backend.mark_step()
+        num_sampled = len(inputs.sampled_request_ids)
+        step = self._sample(logits[:num_sampled], inputs.sampled_request_ids)
+        step.prompt_rows = inputs.prompt_rows
+        step.prompt_logprobs = self._score_prompt(logits[num_sampled:], inputs.prompt_rows)
+        self.forward.backend.mark_step()
+        step.copies = HostCopies(step.device_results())
+        self._pending = step
+        return step
+
+    def collect(self, step: LaunchedStep) -> RunnerOutput:
+        """The step's sampled tokens and log-probabilities, read on the host (waits for that step only)."""
+        if step.output is not None:
+            return step.output
+        # The host copies in the order `launch` made them: token ids, logprobs, prompt logprobs.
+        host = iter(step.copies.wait() if step.copies is not None else [])
+        token_ids = next(host).tolist() if step.token_ids is not None else []
+        result = RunnerOutput()
+        for request_id, index, token_id in zip(
+            step.sampled_request_ids, step.placeholder_index, token_ids, strict=True
+        ):
+            state = self.requests.get(request_id)
+            if state is not None and index < len(state.token_ids) and state.token_ids[index] == PLACEHOLDER:
+                state.token_ids[index] = token_id
+            result.sampled_token_ids[request_id] = token_id
+        if step.logprobs is not None:
+            logprobs = step.logprobs.replace_tensors([next(host) for _ in step.logprobs.tensors()]).to_list()
+            for row, logprob in zip(step.logprob_rows, logprobs, strict=True):
+                result.logprobs[step.sampled_request_ids[row]] = logprob
+        if step.prompt_logprobs is not None:
+            prompt = step.prompt_logprobs
+            scored = prompt.replace_tensors([next(host) for _ in prompt.tensors()]).to_list()
+            result.prompt_logprobs = self._split_prompt_logprobs(scored, step.prompt_rows)
+        step.output = result
+        if self._pending is step:
+            self._pending = None
+        return result
+
+    def _needs_known_tokens(self, out: SchedulerOutput) -> bool:
+        """A request with penalties reads its whole output: its tokens in flight must be known first."""
+        pending = set(self._pending.sampled_request_ids)
+        return any(
+            self.requests[request_id].params.needs_penalties
+            for request_id in out.num_scheduled_tokens
+            if request_id in pending
+        )
+
+    def _update_states(self, out: SchedulerOutput) -> None:
+        for request_id in out.finished_request_ids | out.preempted_request_ids:
+            self.requests.pop(request_id, None)
+        for new in out.scheduled_new_requests:
+            self.requests[new.request_id] = RunnerRequestState(
+                list(new.token_ids),
+                new.num_prompt_tokens,
+                list(new.block_ids),
+                new.num_computed_tokens,
+                new.sampling_params,
+            )
+        for cached in out.scheduled_cached_requests:
+            state = self.requests[cached.request_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def _scheduled_ids(self, out: SchedulerOutput) -> list[str]:
+        return [r.request_id for r in out.scheduled_new_requests] + [
+            r.request_id for r in out.scheduled_cached_requests
+        ]
+
+    def _prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
+        ids, positions, slots = HostRows(), HostRows(), HostRows()
+        query_start_loc, seq_lens, logits_indices, sampled = [0], [], [], []
+        prompt_rows, prompt_indices = PromptLogprobRows(), []
+        block_rows = []
+        in_flight: list[tuple[int, str]] = []  # (input row, request) for tokens still on the device
+        bs = self.block_size
+        for request_id in self._scheduled_ids(out):
+            state = self.requests[request_id]
+            start, count = state.num_computed_tokens, out.num_scheduled_tokens[request_id]
+            end = start + count
+            if count == 1:  # a decoding request: most rows of most steps
+                if state.token_ids[start] == PLACEHOLDER:
+                    in_flight.append((len(ids), request_id))
+                ids.append(state.token_ids[start])
+                positions.append(start)
+                slots.append(state.block_ids[start // bs] * bs + start % bs)
+            else:
+                if state.token_ids[end - 1] == PLACEHOLDER:  # only a lone decode token can be in flight
+                    raise RuntimeError(f"request {request_id!r} was scheduled past its known tokens")
+                # Through numpy: torch.tensor on a 128K-int list takes ~6.6 ms, np.array ~1.8.
+                ids.extend_tensor(torch.from_numpy(np.array(state.token_ids[start:end], dtype=np.int64)))
+                positions.extend_tensor(torch.arange(start, end, dtype=torch.int64))
+                slots.extend_tensor(span_slots(state.block_ids, start, end, bs))
+            query_start_loc.append(query_start_loc[-1] + count)
+            seq_lens.append(end)
+            block_rows.append(state.block_ids)
+            if end == len(state.token_ids):
+                logits_indices.append(query_start_loc[-1] - 1)
+                sampled.append(request_id)
+            scored_end = min(end, state.num_prompt_tokens - 1)  # position p's logits score token p + 1
+            if state.params.prompt_logprobs is not None and start < scored_end:
+                prompt_rows.spans.append((request_id, start + 1, scored_end - start))
+                prompt_rows.target_ids.extend(state.token_ids[start + 1 : scored_end + 1])
+                prompt_rows.top_n.extend([state.params.prompt_logprobs] * (scored_end - start))
+                prompt_indices.extend(range(query_start_loc[-2], query_start_loc[-2] + scored_end - start))
+        metadata = AttentionMetadata(
+            query_start_loc=to_device(query_start_loc, torch.int32, self.device),
+            seq_lens=to_device(seq_lens, torch.int32, self.device),
+            block_tables=pinned_to(padded_block_table(block_rows), self.device),
+            slot_mapping=slots.to(self.device),
+            query_start_loc_cpu=query_start_loc,
+            seq_lens_cpu=seq_lens,
+            block_size=bs,
+        )
+        return StepInputs(
+            input_ids=self._fill_in_flight(ids.to(self.device), in_flight),
+            positions=positions.to(self.device),
+            logits_indices=to_device(logits_indices + prompt_indices, torch.int64, self.device),
+            metadata=metadata,
+            sampled_request_ids=sampled,
+            prompt_rows=prompt_rows,
+        )
+
+    def _fill_in_flight(self, input_ids: torch.Tensor, in_flight: list[tuple[int, str]]) -> torch.Tensor:
+        """Input rows whose token the last step is still sampling take it from that step's device tensor."""
+        if not in_flight:
+            return input_ids
+        row_of = self._pending.row_of()
+        rows = to_device([row for row, _ in in_flight], torch.int64, self.device)
+        sources = to_device([row_of[request_id] for _, request_id in in_flight], torch.int64, self.device)
+        input_ids[rows] = self._pending.token_ids[sources]
+        return input_ids
+
+    @staticmethod
+    def _score_prompt(logits: torch.Tensor, rows: PromptLogprobRows) -> LogprobTensors | None:
+        if not rows.spans:
+            return None
+        return logprob_tensors(logits, to_device(rows.target_ids, torch.int64, logits.device), rows.top_n)
+
+    @staticmethod
+    def _split_prompt_logprobs(
+        scored: list[TokenLogprob], rows: PromptLogprobRows
+    ) -> dict[str, tuple[int, list[TokenLogprob]]]:
+        result, offset = {}, 0
+        for request_id, first, count in rows.spans:
+            result[request_id] = (first, scored[offset : offset + count])
+            offset += count
+        return result
+
+    def _sample(self, logits: torch.Tensor, request_ids: list[str]) -> LaunchedStep:
+        """Sample on the device; each sampled request's list gets a placeholder until `collect`.
+
+        num_computed_tokens is not advanced here: the next SchedulerOutput carries it.
+        """
+        if not request_ids:
+            return LaunchedStep([])
+        rows = [self._sampling_row(self.requests[r]) for r in request_ids]
+        sampled = self.sampler(logits, rows)
+        step = LaunchedStep(request_ids, sampled.token_ids, logprob_rows=sampled.logprob_rows)
+        step.logprobs = sampled.logprob_tensors
+        for request_id in request_ids:
+            token_ids = self.requests[request_id].token_ids
+            step.placeholder_index.append(len(token_ids))
+            token_ids.append(PLACEHOLDER)
+        return step
+
+    @staticmethod
+    def _sampling_row(state: RunnerRequestState) -> SamplingRow:
+        step = len(state.token_ids) - state.num_prompt_tokens
+        if not state.params.needs_penalties:  # only penalties read the tokens: copy none
+            return SamplingRow(state.params, [], [], step)
+        prompt = state.token_ids[: state.num_prompt_tokens]
+        output = state.token_ids[state.num_prompt_tokens :]
+        return SamplingRow(state.params, prompt, output, step)

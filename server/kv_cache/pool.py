@@ -1,0 +1,31 @@
+"""The paged KV pool on the device: one tensor per layer, shaped by its `KVCacheSpec`."""
+
+from __future__ import annotations
+
+import torch
+
+from tgserve.server.kv_cache.spec import KVCacheSpec, kv_bytes_per_token
+
+
+def num_blocks_for_memory(specs: list[KVCacheSpec], block_size: int, memory_bytes: int) -> int:
+    """How many blocks fit in `memory_bytes` across all layers."""
+    return max(1, memory_bytes // (block_size * kv_bytes_per_token(specs)))
+
+
+def allocate_kv_caches(
+    specs: list[KVCacheSpec], num_blocks: int, block_size: int, device: torch.device
+) -> list[torch.Tensor]:
+    """One zeroed tensor per layer, [2, num_blocks, block_size, num_kv_heads, head_dim]."""
+    return [
+        torch.zeros(
+            2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype, device=device
+        )
+        for spec in specs
+    ]
+
+
+def scratch_slot(kv_cache: torch.Tensor) -> int:
+    """The first slot of the pool's last block: where a backend whose writes cannot skip slot -1
+    (HPU's static-shape `index_copy_`) sends padding rows. That block must be one the block manager
+    never hands out: the pool is allocated `AttentionBackend.scratch_blocks` larger than its count."""
+    return (kv_cache.shape[1] - 1) * kv_cache.shape[2]

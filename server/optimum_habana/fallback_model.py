@@ -1,0 +1,70 @@
+"""The model boundary of the optimum-habana fallback, and when a Gaudi needs that fallback.
+
+On a Gaudi, an architecture with no native tgserve implementation runs as optimum-habana's Gaudi class
+(`adapt_transformers_to_gaudi()` swaps transformers' classes for them in place, so the ordinary
+`AutoModelForCausalLM` then builds the Gaudi one), with its own static cache served by
+`StaticBatchEngine`. Anywhere else (the CPU, in tests) the same call builds the plain transformers
+class, which takes the same inputs. optimum-habana and the Habana bridge are imported only on an hpu
+device, when a model is loaded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from tgserve.server.loading.errors import ModelLoadError
+from tgserve.server.loading.hf_compat import dtype_kwargs
+from tgserve.server.loading.source import ModelSource, safetensors_files, verify_safetensors
+from tgserve.server.models.registry import NATIVE_MODELS, architecture_name
+
+
+def fallback_needed(config: Any, device: torch.device | str) -> bool:
+    """True when `config`'s model must be served through optimum-habana on `device`.
+
+    That is on an hpu device, for every architecture without a native tgserve implementation: the
+    native families run on the paged hpu backend through `LLMEngine`; everything else goes to
+    `StaticBatchEngine`. Off a Gaudi, never (the transformers fallback serves those architectures).
+    """
+    return torch.device(device).type == "hpu" and architecture_name(config) not in NATIVE_MODELS
+
+
+def load_fallback_model(
+    source: ModelSource,
+    config: Any,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    trust_remote_code: bool = False,
+    allow_pickle: bool = False,
+) -> nn.Module:
+    """The causal LM of `source` in eval mode on `device`: optimum-habana's Gaudi class on an hpu
+    device, the plain transformers class elsewhere."""
+    device = torch.device(device)
+    if device.type == "hpu":
+        _adapt_transformers_to_gaudi()
+    if source.gguf_file is None:
+        # Refuse pickle-only checkpoints and name corrupt files before transformers sees them.
+        verify_safetensors(safetensors_files(source, allow_pickle))
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            source.directory,
+            config=config,
+            gguf_file=source.gguf_file,
+            trust_remote_code=trust_remote_code,
+            **dtype_kwargs(dtype),
+        )
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise ModelLoadError(f"cannot load {source.display_name} through transformers: {exc}") from exc
+    return model.eval().to(device)
+
+
+def _adapt_transformers_to_gaudi() -> None:
+    """Load the Habana bridge (it registers the hpu device) and swap in optimum-habana's classes."""
+    import habana_frameworks.torch.core  # noqa: F401
+    from optimum.habana.transformers.modeling_utils import adapt_transformers_to_gaudi
+
+    adapt_transformers_to_gaudi()

@@ -1,0 +1,1 @@
+"""Picking each request's next token on the device: penalties, warpers, seeded sampling, logprobs."""
