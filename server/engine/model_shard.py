@@ -98,6 +98,9 @@ class ModelShard:
         self.decode_graphs: DecodeGraphs | None = None
         self.runner: ModelRunner | None = None
         self.memory_profile: MemoryProfile | None = None
+        # A whole prompt of the model's length, profiled where long prompts are prefilled whole
+        # (None: not profiled, or it did not fit in memory).
+        self.whole_prompt_profile: MemoryProfile | None = None
         self.num_blocks = 0  # until `allocate`
         self.whole_prompt_tokens = self._whole_prompt_tokens()
 
@@ -187,8 +190,17 @@ class ModelShard:
         that length needs, or did not fit at all, long prompts are chunked instead (dense
         attention), and the log says so."""
         one_request = self.max_model_len * kv_bytes_per_token(self.specs)
+        self.whole_prompt_profile = longest
         if longest is not None and longest.kv_budget_bytes >= one_request:
             self.memory_profile = min(self.memory_profile, longest, key=lambda p: p.kv_budget_bytes)
+            logger.info(
+                "prompts of %d to %d tokens are prefilled whole, sparse: the longest one's step peaks at "
+                "%.2f GiB of activations and leaves %.2f GiB for the KV cache",
+                self.whole_prompt_tokens,
+                self.max_model_len,
+                longest.activation_peak_bytes / GIB,
+                longest.kv_budget_bytes / GIB,
+            )
             return
         step = f"a whole {self.max_model_len}-token prompt's step"
         if longest is None:

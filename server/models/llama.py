@@ -38,6 +38,13 @@ def _family_flags(config: Any) -> dict[str, bool]:
     }
 
 
+# A long step's rows go through the token-wise parts of a layer (projections, query/key norms, rotary,
+# MLP) this many at a time, so that a whole prompt's step holds the layer's hidden-size tensors and
+# no wider ones: at 1M tokens of an 8B model the fused QKV output alone is 12 GiB and the gate/up
+# output 56 GiB, memory the KV pool is sized without. A GEMM of this many rows runs as fast per row.
+ROWS_AT_ONCE = 16384
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config: Any, layer_idx: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
@@ -62,22 +69,49 @@ class LlamaAttention(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, keep: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """keep: the rows whose output is used (every row's keys and values are cached)."""
+        """keep: the rows whose output is used (every row's keys and values are cached).
+
+        A step of more than ROWS_AT_ONCE rows computes its queries, keys and values a slice at a
+        time into whole-step tensors, attends over the whole step, and projects the output a slice
+        at a time into `hidden`, which it overwrites (its caller has no further use for it)."""
+        if hidden.shape[0] <= ROWS_AT_ONCE:
+            q, k, v = self._qkv(positions, hidden)
+            out = paged_attention(self.layer_idx, q, k, v, self.scale, rows=keep)
+            return self.o_proj(out.reshape(-1, self.q_size))
+        q, k, v = self._qkv_in_slices(positions, hidden)
+        out = paged_attention(self.layer_idx, q, k, v, self.scale, rows=keep).reshape(-1, self.q_size)
+        del q, k, v  # stored in the KV cache: only the output goes on
+        projected = hidden if keep is None else hidden.new_empty(out.shape[0], hidden.shape[1])
+        for start in range(0, out.shape[0], ROWS_AT_ONCE):
+            projected[start : start + ROWS_AT_ONCE] = self.o_proj(out[start : start + ROWS_AT_ONCE])
+        return projected
+
+    def _qkv(
+        self, positions: torch.Tensor, hidden: torch.Tensor, rows: slice | None = None
+    ) -> tuple[torch.Tensor, ...]:
+        """Rotated queries [T, H, D] and keys [T, H_kv, D], and values [T, H_kv, D], of `hidden`'s
+        rows, or of the slice `rows` of them (`positions` stays the whole step's)."""
+        if rows is not None:
+            hidden = hidden[rows]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, H_kv, D]
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = paged_attention(self.layer_idx, q, k, v, self.scale, rows=keep)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        q, k = self.rotary(positions, q, k, rows)
+        return q, k, v
 
-
-# A step's rows go through the MLP this many at a time: a whole 128K-token prompt would otherwise
-# hold its gate/up output (131,072 x 28,672 in bf16: 7.5 GB for an 8B model) and the SiLU's at once,
-# memory the KV pool is sized without. A GEMM of this many rows runs as fast per row.
-MLP_ROWS = 16384
+    def _qkv_in_slices(self, positions: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`_qkv` over ROWS_AT_ONCE rows at a time, into tensors of the whole step."""
+        rows = hidden.shape[0]
+        q = hidden.new_empty(rows, self.num_heads, self.head_dim)
+        k = hidden.new_empty(rows, self.num_kv_heads, self.head_dim)
+        v = torch.empty_like(k)
+        for start in range(0, rows, ROWS_AT_ONCE):
+            part = slice(start, start + ROWS_AT_ONCE)
+            q[part], k[part], v[part] = self._qkv(positions, hidden, part)
+        return q, k, v
 
 
 class LlamaMLP(nn.Module):
@@ -92,11 +126,11 @@ class LlamaMLP(nn.Module):
         self.act = None if config.hidden_act in ("silu", "swish") else ACT2FN[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= MLP_ROWS:
+        if x.shape[0] <= ROWS_AT_ONCE:
             return self._rows(x)
         out = x.new_empty(x.shape[0], self.down_proj.weight.shape[0])
-        for start in range(0, x.shape[0], MLP_ROWS):
-            out[start : start + MLP_ROWS] = self._rows(x[start : start + MLP_ROWS])
+        for start in range(0, x.shape[0], ROWS_AT_ONCE):
+            out[start : start + ROWS_AT_ONCE] = self._rows(x[start : start + ROWS_AT_ONCE])
         return out
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
