@@ -278,14 +278,24 @@ def fused_add_rms_norm(
 
 
 def rotary(
-    query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate-half RoPE of query [T, Hq, D] and key [T, Hk, D] with cos/sin [T, 1, D] or [T, D]."""
+    """Rotate-half RoPE of query [T, Hq, D] and key [T, Hk, D] with cos/sin [T, 1, D] or [T, D];
+    with `out`, written into those contiguous tensors (a slice of a step's rows) and returned."""
     if use_triton(query):
         from tgserve.kernels.fused import rotary as triton_rotary
 
-        return triton_rotary(query, key, cos, sin)
-    return reference.rotary(query, key, cos, sin)
+        return triton_rotary(query, key, cos, sin, out)
+    rotated = reference.rotary(query, key, cos, sin)
+    if out is None:
+        return rotated
+    out[0].copy_(rotated[0])
+    out[1].copy_(rotated[1])
+    return out
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

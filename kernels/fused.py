@@ -243,16 +243,26 @@ def _rotary_block_h(num_heads: int, block_half: int) -> int:
 
 
 def rotary(
-    query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate-half RoPE of query [T, Hq, D] and key [T, Hk, D] (strided views allowed); new contiguous outputs."""
+    """Rotate-half RoPE of query [T, Hq, D] and key [T, Hk, D] (strided views allowed), into new
+    contiguous outputs or into `out`, contiguous tensors of their shapes (rows of a larger one)."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_k_heads = key.shape[1]
     assert key.shape == (num_tokens, num_k_heads, head_dim) and key.dtype == query.dtype
     assert head_dim % 2 == 0, "rotate-half needs an even head_dim"
     out_dtype = torch.promote_types(query.dtype, cos.dtype)
-    q_out = torch.empty(query.shape, dtype=out_dtype, device=query.device)
-    k_out = torch.empty(key.shape, dtype=out_dtype, device=key.device)
+    if out is None:
+        q_out = torch.empty(query.shape, dtype=out_dtype, device=query.device)
+        k_out = torch.empty(key.shape, dtype=out_dtype, device=key.device)
+    else:
+        q_out, k_out = out
+        assert q_out.shape == query.shape and k_out.shape == key.shape
+        assert q_out.dtype == k_out.dtype == out_dtype and q_out.is_contiguous() and k_out.is_contiguous()
     if num_tokens == 0:
         return q_out, k_out
     query, key = _unit_stride_last(query), _unit_stride_last(key)

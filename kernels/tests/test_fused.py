@@ -154,6 +154,20 @@ def test_rotary(device, dtype, tokens, head_dim, flat_cos):
     torch.testing.assert_close(got_k.cpu(), want_k, **EXACT)
 
 
+def test_rotary_into_rows_of_a_larger_tensor(device):
+    """`out`: the rotated rows land in the given rows of whole-step tensors, the others untouched."""
+    q, k, _ = _fused_qkv(5, (4, 2), 64, torch.float32, seed=20)
+    cos, sin = _cos_sin(5, 64, torch.float32, seed=21)
+    whole_q = torch.full((9, 4, 64), float("nan"), device=device)
+    whole_k = torch.full((9, 2, 64), float("nan"), device=device)
+    got = _fused().rotary(*_on(device, q, k, cos, sin), out=(whole_q[2:7], whole_k[2:7]))
+    want_q, want_k = reference.rotary(q, k, cos, sin)
+    assert got[0].data_ptr() == whole_q[2:7].data_ptr()
+    torch.testing.assert_close(whole_q[2:7].cpu(), want_q, **EXACT)
+    torch.testing.assert_close(whole_k[2:7].cpu(), want_k, **EXACT)
+    assert whole_q[:2].isnan().all() and whole_q[7:].isnan().all() and whole_k[7:].isnan().all()
+
+
 def test_rotary_arbitrary_cos_sin(device):
     """Halves of cos/sin that differ (not RoPE's own tables) must still land on the right dims."""
     q, k, _ = _fused_qkv(4, (2, 1), 64, torch.float32, seed=10)

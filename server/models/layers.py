@@ -81,14 +81,20 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
     def forward(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, rows: slice | None = None
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        rows: slice | None = None,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """query [T, H, D], key [T, H_kv, D] at `positions` [T], or with `rows`, a slice of the
-        step's rows at `positions[rows]` (cos/sin stay memoised on the whole step's positions)."""
+        step's rows at `positions[rows]` (cos/sin stay memoised on the whole step's positions);
+        with `out`, written there."""
         cos, sin = self.cos_sin(positions, query.dtype)
         if rows is not None:
             cos, sin = cos[rows], sin[rows]
-        return dispatch.rotary(query, key, cos, sin)
+        return dispatch.rotary(query, key, cos, sin, out)
 
 
 class FusedWeightLoader:

@@ -87,10 +87,15 @@ class LlamaAttention(nn.Module):
         return projected
 
     def _qkv(
-        self, positions: torch.Tensor, hidden: torch.Tensor, rows: slice | None = None
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        rows: slice | None = None,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """Rotated queries [T, H, D] and keys [T, H_kv, D], and values [T, H_kv, D], of `hidden`'s
-        rows, or of the slice `rows` of them (`positions` stays the whole step's)."""
+        rows, or of the slice `rows` of them (`positions` stays the whole step's); with `out`, the
+        queries and keys are written into it."""
         if rows is not None:
             hidden = hidden[rows]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -99,7 +104,7 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k, rows)
+        q, k = self.rotary(positions, q, k, rows, out)
         return q, k, v
 
     def _qkv_in_slices(self, positions: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -110,7 +115,7 @@ class LlamaAttention(nn.Module):
         v = torch.empty_like(k)
         for start in range(0, rows, ROWS_AT_ONCE):
             part = slice(start, start + ROWS_AT_ONCE)
-            q[part], k[part], v[part] = self._qkv(positions, hidden, part)
+            v[part] = self._qkv(positions, hidden, part, out=(q[part], k[part]))[2]
         return q, k, v
 
 
