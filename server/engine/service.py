@@ -12,6 +12,7 @@ so that the launcher, and through it the container, restarts.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -23,6 +24,8 @@ from typing import Any
 import msgspec
 import zmq
 
+from tgserve.server.config.buckets import BucketConfig
+from tgserve.server.config.engine_args import EngineArgs
 from tgserve.server.engine.interface import Engine
 from tgserve.server.protocol import messages as p
 from tgserve.server.protocol.messages import EngineServiceConfig
@@ -35,10 +38,7 @@ STATS_PERIOD_S = 0.05  # at most this often, a step's outputs carry an EngineSta
 
 
 def build_engine(engine_args: dict[str, Any]) -> Engine:
-    """Import the engine only here, so that `--help` and config errors stay fast."""
-    import dataclasses
-
-    from tgserve.server.config.engine_args import EngineArgs
+    """Import the engine (torch, the models) only here, so that `--help` and config errors stay fast."""
     from tgserve.server.engine.factory import create_engine
 
     unsupported = sorted(set(engine_args) - {f.name for f in dataclasses.fields(EngineArgs)})
@@ -47,8 +47,6 @@ def build_engine(engine_args: dict[str, Any]) -> Engine:
             f"this engine does not support {', '.join(unsupported)} (asked for by the launcher's flags)"
         )
     if isinstance(engine_args.get("buckets"), dict):  # the launcher sends plain JSON
-        from tgserve.server.config.buckets import BucketConfig
-
         engine_args = {**engine_args, "buckets": BucketConfig(**engine_args["buckets"])}
     return create_engine(EngineArgs(**engine_args))
 

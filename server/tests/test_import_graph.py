@@ -194,8 +194,9 @@ def test_model_code_reaches_no_attention_backend() -> None:
     """Models see the forward context, never a backend: importing every model module (native and
     fallback, in a fresh interpreter) loads no backend module, and no models module names one."""
     models = sorted(name for name in project_modules() if name.startswith("tgserve.server.models"))
+    graph = import_graph()
     for name in models:
-        named = set(import_graph()[name]) & set(BACKEND_MODULES)
+        named = graph[name] & set(BACKEND_MODULES)
         assert not named, f"{name} imports {sorted(named)}"
     code = f"""
 import importlib, sys
