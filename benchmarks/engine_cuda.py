@@ -155,6 +155,7 @@ def engine_section(args: argparse.Namespace, model_dir: Path) -> dict[str, float
             cuda_graphs=not args.eager,
             async_scheduling=not args.no_async_scheduling,
             quantize=args.quantize,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
     )
     vocab = engine.vocab_size
@@ -205,6 +206,7 @@ def long_prompt_section(args: argparse.Namespace, model_dir: Path) -> dict[str, 
             cuda_graphs=False,
             enable_prefix_caching=False,  # each run computes its whole prompt
             quantize=args.quantize,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
     )
     backend = engine.runner.forward.backend
@@ -304,6 +306,7 @@ def main() -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--quantize", choices=["fp8"], help="the engine's projections in fp8")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8: what the KV cache stores")
     parser.add_argument(
         "--no-async-scheduling", action="store_true", help="wait for each step's tokens before the next"
     )

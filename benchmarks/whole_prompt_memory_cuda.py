@@ -49,7 +49,7 @@ def unsliced_attention(self, positions, hidden, keep=None):  # noqa: ANN001, ANN
     return self.o_proj(out.reshape(-1, self.q_size))
 
 
-def measure(context: int, layers: int, utilization: float) -> dict:
+def measure(context: int, layers: int, utilization: float, kv_cache_dtype: str = "auto") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
         engine = LLMEngine(
@@ -60,6 +60,7 @@ def measure(context: int, layers: int, utilization: float) -> dict:
                 gpu_memory_utilization=utilization,
                 cuda_graphs=False,
                 warm_up=False,
+                kv_cache_dtype=kv_cache_dtype,
             )
         )
         seconds = time.perf_counter() - start
@@ -84,12 +85,13 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--unsliced-attention", action="store_true", help="the baseline")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8")
     args = parser.parse_args()
     if args.unsliced_attention:
         llama.LlamaAttention.forward = unsliced_attention
     rows = []
     for context in args.contexts:
-        rows.append(measure(context, args.layers, args.gpu_memory_utilization))
+        rows.append(measure(context, args.layers, args.gpu_memory_utilization, args.kv_cache_dtype))
         print(json.dumps(rows[-1]), flush=True)
     print(
         "| context | whole step's activation peak, GiB | it leaves for KV, GiB | prefilled whole from | pool tokens |"

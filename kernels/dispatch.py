@@ -33,15 +33,20 @@ def use_triton(t: torch.Tensor) -> bool:
 
 
 def write_kv(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
 ) -> None:
-    """Store key/value [num_tokens, num_kv_heads, head_dim] at their slots of kv_cache."""
+    """Store key/value [num_tokens, num_kv_heads, head_dim] at their slots of kv_cache (quantized,
+    with their scales in kv_scale, when the cache is fp8)."""
     if use_triton(key):
         from tgserve.kernels.kv_write import write_kv as triton_write_kv
 
-        triton_write_kv(key, value, kv_cache, slot_mapping)
+        triton_write_kv(key, value, kv_cache, slot_mapping, kv_scale)
     else:
-        reference.write_kv(key, value, kv_cache, slot_mapping)
+        reference.write_kv(key, value, kv_cache, slot_mapping, kv_scale)
 
 
 def paged_decode(
@@ -55,23 +60,25 @@ def paged_decode(
     max_seq_len: int | None = None,
     step_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     out: torch.Tensor | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence over its paged context: the split-context decode kernel on CUDA.
 
     max_seq_len: a host-side bound on seq_lens that sizes the kernel's context splits. step_kv:
     this step's (key, value, slot_mapping), stored into the cache first; the CUDA kernel stores
-    them itself (one launch a layer fewer at batch-1 decode).
+    them itself (one launch a layer fewer at batch-1 decode). kv_scale: the fp8 cache's scales
+    [2, num_blocks, block_size, num_kv_heads] (float32), None for a cache in the model's dtype.
     """
     if use_triton(query):
         from tgserve.kernels.paged_decode import paged_decode as triton_paged_decode
 
         return triton_paged_decode(query, kv_cache, block_tables, seq_lens, scale, sliding_window, softcap, out,
-                                   max_seq_len=max_seq_len, step_kv=step_kv)  # fmt: skip
+                                   max_seq_len=max_seq_len, step_kv=step_kv, kv_scale=kv_scale)  # fmt: skip
     if step_kv is not None:
-        reference.write_kv(*step_kv[:2], kv_cache, step_kv[2])
+        reference.write_kv(*step_kv[:2], kv_cache, step_kv[2], kv_scale)
     one_query_each = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
     result = reference.paged_attention(query, kv_cache, block_tables, one_query_each, seq_lens, scale,
-                                       sliding_window, softcap)  # fmt: skip
+                                       sliding_window, softcap, kv_scale=kv_scale)  # fmt: skip
     return result if out is None else out.copy_(result)
 
 
@@ -85,6 +92,7 @@ def paged_prefill(
     sliding_window: int | None = None,
     softcap: float | None = None,
     out: torch.Tensor | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each sequence's queries (its last positions) over its paged context, this step's keys and
     values already stored: chunked prefill, prefix hits, prompts beside decode rows."""
@@ -92,9 +100,9 @@ def paged_prefill(
         from tgserve.kernels.paged_prefill import paged_prefill as triton_paged_prefill
 
         return triton_paged_prefill(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window,
-                                    softcap, out)  # fmt: skip
+                                    softcap, out, kv_scale=kv_scale)  # fmt: skip
     result = reference.paged_attention(query, kv_cache, block_tables, query_start_loc, seq_lens, scale,
-                                       sliding_window, softcap)  # fmt: skip
+                                       sliding_window, softcap, kv_scale=kv_scale)  # fmt: skip
     return result if out is None else out.copy_(result)
 
 

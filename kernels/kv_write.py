@@ -1,7 +1,9 @@
 """Triton kernel: write a step's keys and values into the paged KV cache by slot mapping.
 
 Twin: `reference.write_kv`. One program per token copies all of its KV heads; slot -1 (padding,
-or a prefix-cache hit whose KV is already stored) is skipped without touching memory.
+or a prefix-cache hit whose KV is already stored) is skipped without touching memory. Into an fp8
+cache, each head's row is quantized on the way (`triton_common.e4m3_rows`) and its scale stored
+beside it, in the pool's scale tensor.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tgserve.kernels.triton_common import pdl, wait_for_inputs
+from tgserve.kernels.triton_common import e4m3_rows, pdl, wait_for_inputs
 
 
 @triton.jit
@@ -18,6 +20,7 @@ def _write_kv_kernel(
     key_ptr,
     value_ptr,
     cache_ptr,
+    scale_ptr,
     slot_ptr,
     stride_kt,
     stride_kh,
@@ -27,11 +30,13 @@ def _write_kv_kernel(
     stride_c_block,
     stride_c_off,
     stride_c_head,
+    stride_s_kv,
     num_kv_heads,
     head_dim,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    SCALED: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
@@ -46,25 +51,43 @@ def _write_kv_kernel(
         offset = slot % BLOCK_SIZE
         dst = cache_ptr + block * stride_c_block + offset * stride_c_off
         dst = dst + heads[:, None] * stride_c_head + dims[None, :]
-        k = tl.load(key_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
-        v = tl.load(value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+        k = tl.load(
+            key_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask, other=0.0
+        )
+        v = tl.load(
+            value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask, other=0.0
+        )
+        if SCALED:  # the scales are [2, num_blocks, block_size, num_kv_heads], contiguous
+            scale_dst = scale_ptr + slot * num_kv_heads + heads
+            k, k_scale = e4m3_rows(k.to(tl.float32))
+            v, v_scale = e4m3_rows(v.to(tl.float32))
+            tl.store(scale_dst, k_scale, mask=heads < num_kv_heads)
+            tl.store(scale_dst + stride_s_kv, v_scale, mask=heads < num_kv_heads)
         tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
         tl.store(dst + stride_c_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 def write_kv(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
 ) -> None:
-    """Store key/value [num_tokens, num_kv_heads, head_dim] at their slots of kv_cache (in place)."""
+    """Store key/value [num_tokens, num_kv_heads, head_dim] at their slots of kv_cache (in place);
+    with kv_scale [2, num_blocks, block_size, num_kv_heads] (contiguous), kv_cache is fp8 and each
+    row's scale goes there."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
     # The last dimension must be unit-stride for the vectorised row copies.
     assert key.stride(2) == 1 and value.stride(2) == 1 and kv_cache.stride(4) == 1
+    assert kv_scale is None or kv_scale.is_contiguous()
     _write_kv_kernel[(num_tokens,)](
         key,
         value,
         kv_cache,
+        kv_cache if kv_scale is None else kv_scale,  # unread without SCALED
         slot_mapping,
         key.stride(0),
         key.stride(1),
@@ -74,10 +97,12 @@ def write_kv(
         kv_cache.stride(1),
         kv_cache.stride(2),
         kv_cache.stride(3),
+        0 if kv_scale is None else kv_scale.stride(0),
         num_kv_heads,
         head_dim,
         BLOCK_SIZE=kv_cache.shape[2],
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        SCALED=kv_scale is not None,
         **pdl(key),
     )

@@ -20,7 +20,15 @@ import torch
 import triton
 import triton.language as tl
 
-from tgserve.kernels.triton_common import attend_tile, dot_precision, interpreting, pdl, pow2, wait_for_inputs
+from tgserve.kernels.triton_common import (
+    attend_tile,
+    dot_precision,
+    e4m3_rows,
+    interpreting,
+    pdl,
+    pow2,
+    wait_for_inputs,
+)
 
 
 # The integers a step's shape sets (the split count, the block table's width) are not specialised:
@@ -32,6 +40,8 @@ def _decode_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
+    ks_ptr,
+    vs_ptr,
     bt_ptr,
     seq_lens_ptr,
     out_ptr,
@@ -55,6 +65,7 @@ def _decode_kernel(
     stride_c_block,
     stride_c_off,
     stride_c_head,
+    stride_s_block,
     stride_bt,
     group,
     head_dim,
@@ -70,6 +81,7 @@ def _decode_kernel(
     BLOCK_S: tl.constexpr,
     MERGE_ROWS: tl.constexpr,
     WRITE: tl.constexpr = False,
+    SCALED: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
@@ -100,9 +112,9 @@ def _decode_kernel(
         lo = tl.maximum(lo, (tl.maximum(first, 0) // BLOCK_N) * BLOCK_N)
 
     if WRITE:
-        _store_step_kv(new_k_ptr, new_v_ptr, slot_ptr, k_ptr, v_ptr, seq, kv_head, q_pos, lo, hi, dims, dim_ok,
-                       stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_c_block, stride_c_off,
-                       stride_c_head, BLOCK_SIZE)  # fmt: skip
+        _store_step_kv(new_k_ptr, new_v_ptr, slot_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, seq, kv_head, q_pos, lo, hi,
+                       dims, dim_ok, stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_c_block, stride_c_off,
+                       stride_c_head, stride_s_block, BLOCK_SIZE, SCALED)  # fmt: skip
 
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
@@ -121,6 +133,12 @@ def _decode_kernel(
         kv_mask = in_ctx[:, None] & dim_ok[None, :]
         k = tl.load(k_ptr + base[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + base[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        if SCALED:  # fp8 in the cache, one float32 scale a (token, KV head): dequantized in registers
+            scale_at = page * stride_s_block + (pos % BLOCK_SIZE) * (stride_s_block // BLOCK_SIZE) + kv_head
+            k_scale = tl.load(ks_ptr + scale_at, mask=in_ctx, other=0.0)
+            v_scale = tl.load(vs_ptr + scale_at, mask=in_ctx, other=0.0)
+            k = (k.to(tl.float32) * k_scale[:, None]).to(q.dtype)
+            v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
         mask = in_ctx & (pos >= first)
         acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k, v, mask[None, :], sm_scale, softcap,
                                     USE_SOFTCAP, PRECISION)  # fmt: skip
@@ -155,14 +173,15 @@ def _decode_kernel(
 
 
 @triton.jit
-def _store_step_kv(new_k_ptr, new_v_ptr, slot_ptr, k_ptr, v_ptr, seq, kv_head, q_pos, lo, hi, dims, dim_ok,
-                   stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_c_block, stride_c_off, stride_c_head,
-                   BLOCK_SIZE: tl.constexpr):  # fmt: skip
+def _store_step_kv(new_k_ptr, new_v_ptr, slot_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, seq, kv_head, q_pos, lo, hi, dims,
+                   dim_ok, stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_c_block, stride_c_off,
+                   stride_c_head, stride_s_block, BLOCK_SIZE: tl.constexpr, SCALED: tl.constexpr):  # fmt: skip
     """This step's key and value of one (sequence, KV head) into the cache, in place of a launch of
     their own: the program whose context range holds the query's position stores them and then
     reads them back with its tiles; no other program reads that position. Slot -1 (padding) is
     skipped. The barrier puts every thread's store before any thread's load of the same row (a CTA
-    barrier orders global memory within the block)."""
+    barrier orders global memory within the block). Into an fp8 cache the rows are quantized as
+    `kv_write` quantizes them, their scales stored beside them."""
     slot = tl.load(slot_ptr + seq).to(tl.int64)
     if (slot >= 0) & (q_pos >= lo) & (q_pos < hi):
         dst = (
@@ -170,8 +189,18 @@ def _store_step_kv(new_k_ptr, new_v_ptr, slot_ptr, k_ptr, v_ptr, seq, kv_head, q
             + (slot % BLOCK_SIZE) * stride_c_off
             + kv_head * stride_c_head
         )
-        k = tl.load(new_k_ptr + seq * stride_nkt + kv_head * stride_nkh + dims, mask=dim_ok)
-        v = tl.load(new_v_ptr + seq * stride_nvt + kv_head * stride_nvh + dims, mask=dim_ok)
+        k = tl.load(new_k_ptr + seq * stride_nkt + kv_head * stride_nkh + dims, mask=dim_ok, other=0.0)
+        v = tl.load(new_v_ptr + seq * stride_nvt + kv_head * stride_nvh + dims, mask=dim_ok, other=0.0)
+        if SCALED:
+            k_rows, k_scale = e4m3_rows(k.to(tl.float32)[None, :])
+            v_rows, v_scale = e4m3_rows(v.to(tl.float32)[None, :])
+            one = tl.arange(0, 1)
+            scale_at = (slot // BLOCK_SIZE) * stride_s_block + (slot % BLOCK_SIZE) * (
+                stride_s_block // BLOCK_SIZE
+            )
+            tl.store(ks_ptr + scale_at + kv_head + one, k_scale)
+            tl.store(vs_ptr + scale_at + kv_head + one, v_scale)
+            k, v = tl.reshape(k_rows, (k.shape[0],)), tl.reshape(v_rows, (v.shape[0],))
         tl.store(k_ptr + dst + dims, k.to(k_ptr.dtype.element_ty), mask=dim_ok)
         tl.store(v_ptr + dst + dims, v.to(v_ptr.dtype.element_ty), mask=dim_ok)
     tl.debug_barrier()
@@ -290,13 +319,15 @@ def paged_decode(
     num_splits: int | None = None,
     block_n: int | None = None,
     step_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention over the paged cache; returns (or fills) out [num_seqs, num_heads, head_dim].
 
     max_seq_len is a host-side bound on seq_lens used to size the context splits (default: the
     capacity of the block table, which keeps the launch shape-only for CUDA graphs). step_kv: this
     step's (key, value [num_seqs, num_kv_heads, head_dim], slot_mapping [num_seqs]) not yet in the
-    cache; the kernel stores them (as `kv_write.write_kv` would) before it reads them.
+    cache; the kernel stores them (as `kv_write.write_kv` would) before it reads them. kv_scale
+    [2, num_blocks, block_size, num_kv_heads] float32, contiguous: the cache is fp8 with these scales.
     """
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
@@ -318,17 +349,21 @@ def paged_decode(
         merge_rows, block_s = _merge_tile(group, block_d)
     new_k, new_v, slots = step_kv or (query, query, seq_lens)  # unused placeholders without WRITE
     assert new_k.stride(2) == 1 and new_v.stride(2) == 1
+    assert kv_scale is None or kv_scale.is_contiguous()
+    scales = (kv_cache, kv_cache) if kv_scale is None else (kv_scale[0], kv_scale[1])  # unread unscaled
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
-        query, kv_cache[0], kv_cache[1], block_tables, seq_lens, out, part_o, part_ml, counters,
+        query, kv_cache[0], kv_cache[1], *scales, block_tables, seq_lens, out, part_o, part_ml, counters,
         new_k, new_v, slots, new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
         scale, softcap or 0.0, sliding_window or 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
+        kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_size * num_kv_heads,
+        block_tables.stride(0),
         group, head_dim, splits,
         BLOCK_SIZE=block_size, BLOCK_G=pow2(group), BLOCK_D=block_d, BLOCK_N=block_n,
         USE_SOFTCAP=softcap is not None, USE_WINDOW=sliding_window is not None,
         SPLIT=splits > 1, PRECISION=dot_precision(query.dtype),
-        BLOCK_S=block_s, MERGE_ROWS=merge_rows, WRITE=step_kv is not None, **pdl(query),
+        BLOCK_S=block_s, MERGE_ROWS=merge_rows, WRITE=step_kv is not None, SCALED=kv_scale is not None,
+        **pdl(query),
     )  # fmt: skip
     return out
 

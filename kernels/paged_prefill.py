@@ -26,6 +26,8 @@ def _prefill_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
+    ks_ptr,
+    vs_ptr,
     out_ptr,
     bt_ptr,
     q_start_ptr,
@@ -42,6 +44,7 @@ def _prefill_kernel(
     stride_ka,
     stride_kb,
     stride_kh,
+    stride_s_block,
     stride_bt,
     group,
     head_dim,
@@ -54,6 +57,7 @@ def _prefill_kernel(
     USE_SOFTCAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
+    SCALED: tl.constexpr = False,
 ):
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -99,6 +103,12 @@ def _prefill_kernel(
             kv_mask = in_ctx[:, None] & dim_ok[None, :]
             k = tl.load(k_ptr + base[:, None] + dims[None, :], mask=kv_mask, other=0.0)
             v = tl.load(v_ptr + base[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+            if SCALED:  # an fp8 cache (paged only): each (token, KV head) row times its scale
+                scale_at = page * stride_s_block + (pos % BLOCK_SIZE) * (stride_s_block // BLOCK_SIZE)
+                k_scale = tl.load(ks_ptr + scale_at + kv_head, mask=in_ctx, other=0.0)
+                v_scale = tl.load(vs_ptr + scale_at + kv_head, mask=in_ctx, other=0.0)
+                k = (k.to(tl.float32) * k_scale[:, None]).to(q.dtype)
+                v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
             mask = (pos[None, :] <= q_pos[:, None]) & row_ok[:, None]
             if USE_WINDOW:
                 mask = mask & (pos[None, :] > q_pos[:, None] - window)
@@ -150,6 +160,7 @@ def _launch(
     out: torch.Tensor | None,
     block_m: int | None,
     block_n: int | None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = query.shape
     paged = block_tables is not None
@@ -169,14 +180,17 @@ def _launch(
             key, value = key.contiguous(), value.contiguous()
         strides = (key.stride(0), 0, key.stride(1))
         block_size, table, table_stride = 1, query_start_loc, 0
+    assert kv_scale is None or (paged and kv_scale.is_contiguous())
+    scales = (key, value) if kv_scale is None else (kv_scale[0], kv_scale[1])  # unread unscaled
     _prefill_kernel[(grid, num_kv_heads)](
-        query, key, value, out, table, query_start_loc, seq_lens, tile_seq, cu_tiles,
+        query, key, value, *scales, out, table, query_start_loc, seq_lens, tile_seq, cu_tiles,
         scale, softcap or 0.0, sliding_window or 0,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1), *strides, table_stride,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), *strides, block_size * num_kv_heads,
+        table_stride,
         group, head_dim,
         PAGED=paged, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(head_dim), USE_SOFTCAP=softcap is not None,
-        USE_WINDOW=sliding_window is not None, PRECISION=dot_precision(query.dtype),
+        USE_WINDOW=sliding_window is not None, PRECISION=dot_precision(query.dtype), SCALED=kv_scale is not None,
         num_warps=4 if interpreting() else 8, num_stages=1 if interpreting() else 2,
     )  # fmt: skip
     return out
@@ -194,10 +208,12 @@ def paged_prefill(
     out: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Queries of each sequence (its last q_len positions) against all its earlier paged KV."""
+    """Queries of each sequence (its last q_len positions) against all its earlier paged KV; with
+    kv_scale [2, num_blocks, block_size, num_kv_heads] float32, an fp8 cache with these scales."""
     return _launch(query, kv_cache[0], kv_cache[1], query_start_loc, seq_lens, block_tables,
-                   scale, sliding_window, softcap, out, block_m, block_n)  # fmt: skip
+                   scale, sliding_window, softcap, out, block_m, block_n, kv_scale)  # fmt: skip
 
 
 def varlen_prefill(

@@ -18,27 +18,49 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tgserve.kernels.fp8_format import dequantize_kv, quantize_kv
+
 
 def write_kv(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
 ) -> None:
-    """Store each token's key and value at its slot of the paged cache; slot -1 is skipped."""
+    """Store each token's key and value at its slot of the paged cache; slot -1 is skipped.
+
+    kv_scale [2, num_blocks, block_size, num_kv_heads] float32: the cache is fp8, and each (token,
+    KV head) row is stored scaled by its own scale, written beside it (`fp8_format.quantize_kv`)."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
-    flat[0].index_copy_(0, slots, key[keep].to(kv_cache.dtype))
-    flat[1].index_copy_(0, slots, value[keep].to(kv_cache.dtype))
+    if kv_scale is None:
+        flat[0].index_copy_(0, slots, key[keep].to(kv_cache.dtype))
+        flat[1].index_copy_(0, slots, value[keep].to(kv_cache.dtype))
+        return
+    flat_scale = kv_scale.view(2, -1, kv_scale.shape[-1])
+    for i, x in enumerate((key, value)):
+        q, scale = quantize_kv(x[keep])
+        # Copied as bytes: torch's CPU indexing ops do not take float8 tensors.
+        flat[i].view(torch.uint8).index_copy_(0, slots, q.view(torch.uint8))
+        flat_scale[i].index_copy_(0, slots, scale)
 
 
 def gather_kv(
-    kv_cache: torch.Tensor, block_table: torch.Tensor, length: int
+    kv_cache: torch.Tensor, block_table: torch.Tensor, length: int, kv_scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first `length` keys and values of one sequence, each [length, num_kv_heads, head_dim]."""
+    """The first `length` keys and values of one sequence, each [length, num_kv_heads, head_dim]:
+    in the cache's dtype, or from an fp8 cache (kv_scale given) dequantized to float32."""
     block_size = kv_cache.shape[2]
     pos = torch.arange(length, device=kv_cache.device)
     slots = block_table[pos // block_size].long() * block_size + pos % block_size
     flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
-    return flat[0, slots], flat[1, slots]
+    if kv_scale is None:
+        return flat[0, slots], flat[1, slots]
+    flat_scale = kv_scale.view(2, -1, kv_scale.shape[-1])
+    as_bytes = flat.view(torch.uint8)  # torch's CPU indexing ops do not take float8 tensors
+    return tuple(dequantize_kv(as_bytes[i, slots].view(kv_cache.dtype), flat_scale[i, slots]) for i in (0, 1))
 
 
 def causal_mask(
@@ -95,15 +117,17 @@ def paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     upcast: bool = True,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Variable-length attention over the paged cache: prefill chunks, prefix hits and decode alike."""
+    """Variable-length attention over the paged cache: prefill chunks, prefix hits and decode alike
+    (an fp8 cache with kv_scale: its keys and values dequantized, as `gather_kv` gives them)."""
     out = torch.zeros_like(query)
     starts = query_start_loc.tolist()
     for i, seq_len in enumerate(seq_lens.tolist()):
         lo, hi = starts[i], starts[i + 1]
         if hi == lo:
             continue
-        k, v = gather_kv(kv_cache, block_tables[i], seq_len)
+        k, v = gather_kv(kv_cache, block_tables[i], seq_len, kv_scale)
         mask = causal_mask(hi - lo, seq_len, sliding_window, query.device)
         out[lo:hi] = masked_attention(query[lo:hi], k, v, mask, scale, softcap, upcast)
     return out

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from tgserve.kernels import reference
+from tgserve.kernels.fp8_format import quantize_kv
 
 
 @dataclass
@@ -21,6 +22,7 @@ class PagedBatch:
     query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
     seq_lens: torch.Tensor  # int32 [num_seqs]
     slot_mapping: torch.Tensor  # int64 [num_tokens]: this step's slots
+    kv_scale: torch.Tensor | None = None  # [2, num_blocks, block_size, num_kv_heads]: an fp8 cache's scales
 
 
 def make_paged_batch(
@@ -73,6 +75,16 @@ def make_paged_batch(
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         slot_mapping=torch.cat(slots).to(device),
     )
+
+
+def with_fp8_cache(batch: PagedBatch) -> PagedBatch:
+    """The batch with its cache quantized as the fp8 pool stores it: e4m3 values and one float32
+    scale a (token, KV head) row (`fp8_format.quantize_kv`). The unused entries' NaN poison carries
+    over (a NaN row gets a NaN scale)."""
+    cache = batch.kv_cache
+    rows = cache.reshape(-1, *cache.shape[-2:])
+    q, scale = quantize_kv(rows)
+    return replace(batch, kv_cache=q.view(cache.shape), kv_scale=scale.view(cache.shape[:-1]))
 
 
 def to_device(t: torch.Tensor, device: str | torch.device) -> torch.Tensor:

@@ -18,6 +18,31 @@ except ImportError:  # pragma: no cover - depends on the Triton version
 LOG2E = 1.4426950408889634
 
 
+# fp8_format's constants, as Triton constants (the twins use the same float32 values).
+E4M3_MAX = tl.constexpr(448.0)
+INV_E4M3_MAX = tl.constexpr(1.0 / 448.0)
+TINY_SCALE = tl.constexpr(1.1754943508222875e-38)
+MAGIC_RINT = tl.constexpr(12582912.0)  # 1.5 * 2^23: x + it - it rounds |x| < 2^22 to an integer, ties to even
+
+
+@triton.jit
+def e4m3_rows(x):
+    """x [R, D] float32 -> (q [R, D] float32 on e4m3's grid, scale [R]): each row divided by its
+    scale, amax / 448 (`fp8_format.quantize_rows`, row by row), and rounded to the nearest e4m3
+    value, ties to even, as torch's cast rounds. The rounding is done here, in float32, so the cast
+    to e4m3 that follows is exact: the interpreter's own cast mis-rounds where rounding carries
+    into the exponent (7.79 became 4.0, not 8.0), and compiled kernels then round as it does."""
+    scale = tl.maximum(tl.max(tl.abs(x), 1), TINY_SCALE) * INV_E4M3_MAX
+    q = tl.math.div_rn(x, scale[:, None])
+    q = tl.minimum(tl.maximum(q, -E4M3_MAX), E4M3_MAX)
+    # The grid's spacing at q: 2^(exponent - 3), and 2^-9 for the subnormals below 2^-6.
+    exponent = tl.maximum(((q.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+    inverse_spacing = ((130 - exponent) << 23).to(tl.float32, bitcast=True)
+    spacing = ((124 + exponent) << 23).to(tl.float32, bitcast=True)
+    q = ((q * inverse_spacing + MAGIC_RINT) - MAGIC_RINT) * spacing
+    return q, scale
+
+
 @triton.jit
 def tanh(x):
     """tanh through exp: portable across Triton versions and the interpreter (saturates cleanly)."""

@@ -28,6 +28,17 @@ def parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+# --kv-cache-dtype's names (vLLM's, and TGI's fp8_e4m3fn); the engine maps them to dtypes
+# (server/kv_cache/spec.py KV_CACHE_DTYPES), and a test keeps the two lists equal.
+KV_CACHE_DTYPE_NAMES = ("auto", "fp8", "fp8_e4m3", "fp8_e4m3fn")
+
+
+def parse_kv_cache_dtype(text: str) -> str:
+    if text not in KV_CACHE_DTYPE_NAMES:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(KV_CACHE_DTYPE_NAMES)}, got {text!r}")
+    return text
+
+
 @dataclass(frozen=True)
 class Flag:
     """One option: --name, its variable, type and default. aliases are older TGI spellings."""
@@ -63,6 +74,13 @@ FLAGS: tuple[Flag, ...] = (
         str,
         None,
         "Quantize the weights at load: fp8 (CUDA GPUs of compute capability 8.9+, or the CPU; llama family)",
+    ),
+    Flag(
+        "kv-cache-dtype",
+        parse_kv_cache_dtype,
+        "auto",
+        "What the KV cache stores: auto (the model's dtype) or fp8 (e4m3 with a scale per token and KV head: "
+        "twice the tokens of bf16; CUDA and the CPU)",
     ),
     Flag("hostname", str, "0.0.0.0", "Address to listen on"),
     Flag("port", int, 3000, "Port to listen on"),
@@ -213,6 +231,7 @@ def engine_args(args: argparse.Namespace) -> dict[str, Any]:
         "cuda_graphs": args.cuda_graphs,
         "programmatic_dependent_launch": args.programmatic_dependent_launch,
         "sparse_prefill": args.sparse_prefill,
+        "kv_cache_dtype": args.kv_cache_dtype,
     }
     if args.allow_pickle_weights:
         result["allow_pickle"] = True

@@ -26,6 +26,9 @@ class AttentionLayerParams:
     scale: float
     softcap: float | None = None
     layer_idx: int = 0  # per-layer settings (sparse patterns) are keyed by it
+    # An fp8 cache's scales, [2, num_blocks, block_size, num_kv_heads] float32 (kv_cache/spec.py):
+    # the backend writes and reads the layer's cache through them. None for a cache in the model's dtype.
+    kv_scale: torch.Tensor | None = None
 
 
 @dataclass
@@ -49,6 +52,8 @@ class AttentionBackend(ABC, Generic[Plan]):
     # True when the work of a step depends only on its shape and the metadata's device tensors (not
     # its host lists): then a padded step can be replayed from a graph recorded for its shape.
     shape_only: bool = False
+    # True when the backend writes and reads an fp8 KV cache (AttentionLayerParams.kv_scale).
+    reads_fp8_kv: bool = False
 
     @property
     def whole_prompt_tokens(self) -> int | None:

@@ -4,7 +4,8 @@ Each step takes one of three paths, decided once per step from host-side lengths
 - decode: every sequence has one query; the split-context paged decode kernel. This is the path
   CUDA graphs capture, so it reads only the metadata's device tensors and a fixed context bound.
 - fresh prompts: no sequence has anything cached; the keys and values of this step are the whole
-  context, so dense (or, above the threshold, sparse) causal attention runs on them directly.
+  context, so dense (or, above the threshold, sparse) causal attention runs on them directly (in
+  the model's dtype: with an fp8 cache, only later steps read the prompt's keys quantized).
 - anything else (chunked prefill, prefix-cache hits, prefill beside decode): the varlen paged
   prefill kernel over every sequence's paged context.
 """
@@ -58,6 +59,7 @@ class CudaAttentionBackend(AttentionBackend[CudaStepPlan]):
     """Paged attention with the Triton kernels; sparse prefill for prompts over the configured length."""
 
     name = "cuda"
+    reads_fp8_kv = True
 
     def __init__(self, sparse: SparseConfig | None = None) -> None:
         self.sparse = sparse
@@ -82,8 +84,9 @@ class CudaAttentionBackend(AttentionBackend[CudaStepPlan]):
                 layer.softcap,
                 max_seq_len=plan.max_seq_len,
                 step_kv=(key, value, metadata.slot_mapping),
+                kv_scale=layer.kv_scale,
             )
-        dispatch.write_kv(key, value, kv_cache, metadata.slot_mapping)
+        dispatch.write_kv(key, value, kv_cache, metadata.slot_mapping, layer.kv_scale)
         if plan.path is CudaPath.FRESH:
             return dispatch.fresh_prefill(
                 query,
@@ -106,6 +109,7 @@ class CudaAttentionBackend(AttentionBackend[CudaStepPlan]):
             layer.scale,
             window,
             layer.softcap,
+            kv_scale=layer.kv_scale,
         )
 
     def forward_rows(self, query, key, value, kv_cache, plan: CudaStepPlan, layer: AttentionLayerParams,
@@ -119,7 +123,7 @@ class CudaAttentionBackend(AttentionBackend[CudaStepPlan]):
         # none), so its rows cannot be read back from the cache: they take every row's attention.
         if plan.max_query_len == 1 or not metadata.tables_cover_contexts:
             return super().forward_rows(query, key, value, kv_cache, plan, layer, rows)
-        dispatch.write_kv(key, value, kv_cache, metadata.slot_mapping)
+        dispatch.write_kv(key, value, kv_cache, metadata.slot_mapping, layer.kv_scale)
         block_tables, seq_lens = rows_as_sequences(metadata, rows)
         return dispatch.paged_decode(
             query[rows],
@@ -130,4 +134,5 @@ class CudaAttentionBackend(AttentionBackend[CudaStepPlan]):
             layer.spec.sliding_window,
             layer.softcap,
             max_seq_len=plan.max_seq_len,
+            kv_scale=layer.kv_scale,
         )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,12 +19,17 @@ from tgserve.server.kv_cache.spec import KVCacheSpec
 
 @dataclass
 class ForwardContext:
-    """One forward pass: the backend and the plan it made for the step, the per-layer KV views."""
+    """One forward pass: the backend and the plan it made for the step, the per-layer KV views
+    (with an fp8 cache, each layer's scales beside them; empty otherwise)."""
 
     backend: AttentionBackend
     plan: StepPlan
     kv_caches: list[torch.Tensor]
     specs: list[KVCacheSpec]
+    kv_scales: list[torch.Tensor | None] = field(default_factory=list)
+
+    def kv_scale(self, layer_idx: int) -> torch.Tensor | None:
+        return self.kv_scales[layer_idx] if self.kv_scales else None
 
     @property
     def metadata(self) -> AttentionMetadata:
@@ -63,7 +68,7 @@ def paged_attention(
     """Attention for layer `layer_idx` of the current step, reading and writing its KV view; with
     `rows`, the output of those query rows only (every row's keys and values are stored)."""
     ctx = get_forward_context()
-    layer = AttentionLayerParams(ctx.specs[layer_idx], scale, softcap, layer_idx)
+    layer = AttentionLayerParams(ctx.specs[layer_idx], scale, softcap, layer_idx, ctx.kv_scale(layer_idx))
     cache = ctx.kv_caches[layer_idx]
     if rows is None:
         return ctx.backend.forward(query, key, value, cache, ctx.plan, layer)

@@ -29,6 +29,9 @@ class EngineArgs:
     quantize: str | None = (
         None  # "fp8": projections stored and multiplied in fp8 (server/loading/quantization.py)
     )
+    # What the KV cache stores: "auto" (the model's dtype) or "fp8" (e4m3 with a scale per token and
+    # KV head, half the bytes of bf16; kv_cache/spec.py). vLLM's flag and names.
+    kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1  # --num-shard: shards of the model, one device each (llama family)
     # Schedule step N+1 while the device runs step N (None: on GPUs, where the host would otherwise
     # idle the device; on the CPU there is nothing to overlap).

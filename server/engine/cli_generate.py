@@ -38,6 +38,12 @@ def add_generate_command(subparsers: Any) -> None:
     p.add_argument(
         "--quantize", default=_env("QUANTIZE"), help="fp8: projections stored and multiplied in fp8"
     )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default=_env("KV_CACHE_DTYPE", "auto"),
+        choices=["auto", "fp8", "fp8_e4m3", "fp8_e4m3fn"],
+        help="auto (the model's dtype) or fp8: e4m3 with a scale per token and KV head",
+    )
     p.add_argument("--trust-remote-code", action="store_true", default=_env("TRUST_REMOTE_CODE") == "true")
     p.add_argument(
         "--programmatic-dependent-launch",
@@ -70,6 +76,7 @@ def run_generate(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             device=args.device,
             quantize=args.quantize,
+            kv_cache_dtype=args.kv_cache_dtype,
             trust_remote_code=args.trust_remote_code,
             programmatic_dependent_launch=args.programmatic_dependent_launch == "true",
         )

@@ -30,8 +30,8 @@ from tgserve.server.execution.memory import (
     profile_step,
 )
 from tgserve.server.execution.runner import ModelRunner
-from tgserve.server.kv_cache.pool import allocate_kv_caches, num_blocks_for_memory
-from tgserve.server.kv_cache.spec import kv_bytes_per_token, kv_cache_specs
+from tgserve.server.kv_cache.pool import num_blocks_for_memory
+from tgserve.server.kv_cache.spec import kv_bytes_per_token, kv_cache_dtype, kv_cache_specs
 from tgserve.server.loading.description import ModelDescription
 from tgserve.server.loading.source import ModelSource
 from tgserve.server.models.loader import load_model
@@ -62,6 +62,7 @@ class ModelShard:
         max_model_len: int,
     ) -> None:
         self.args, self.source, self.device, self.max_model_len = args, source, device, max_model_len
+        cache_dtype = kv_cache_dtype(args.kv_cache_dtype, dtype)  # a wrong name fails before the load
         # Before the weights: what others hold is not this server's, and a share that is not free
         # fails here rather than after a long load.
         self.device_at_start = None
@@ -83,8 +84,13 @@ class ModelShard:
             args.load_format,
             args.quantize,
         )
-        self.specs = kv_cache_specs(config, dtype, args.tensor_parallel_size)
+        self.specs = kv_cache_specs(config, cache_dtype, args.tensor_parallel_size)
         self.backend = attention_backend(device, self._sparse_config())
+        if self.specs[0].scaled and not self.backend.reads_fp8_kv:
+            raise ValueError(
+                f"--kv-cache-dtype {args.kv_cache_dtype}: the {self.backend.name} backend keeps its KV cache in the "
+                "model's dtype (an fp8 cache runs on cpu and cuda); use --kv-cache-dtype auto"
+            )
         self.forward = ModelForward(model, self.backend, self.specs)
         static = device.type == "hpu" if args.static_shapes is None else args.static_shapes
         self.buckets = args.buckets if static else None
@@ -154,14 +160,14 @@ class ModelShard:
         if not self._profiles_gpu_memory():
             memory = args.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
             return max(1, num_blocks_for_memory(self.specs, args.block_size, memory) - scratch)
-        self.forward.kv_caches = allocate_kv_caches(self.specs, 1, args.block_size, self.device)
+        self.forward.allocate_pool(1, args.block_size, self.device)
         budget_step = self._profile_step(args.max_num_batched_tokens, args.max_num_seqs)
         self.memory_profile = check_kv_budget(
             budget_step, args.max_num_batched_tokens, args.gpu_memory_utilization
         )
         if self.whole_prompt_tokens is not None:
             self._profile_whole_prompt(self._whole_prompt_step())
-        self.forward.kv_caches = []
+        self.forward.release_pool()
         logger.info(self.memory_profile.describe())
         return max(
             1,
@@ -223,7 +229,7 @@ class ModelShard:
         are warmed up over it), then the runner that steps through them."""
         self.num_blocks = num_blocks
         pool = num_blocks + self.backend.scratch_blocks
-        self.forward.kv_caches = allocate_kv_caches(self.specs, pool, self.args.block_size, self.device)
+        self.forward.allocate_pool(pool, self.args.block_size, self.device)
         executor = self._choose_executor()
         if self.static_executor is not None and self.buckets.warmup:
             self.static_executor.warm_up(self.args.block_size, self.device)

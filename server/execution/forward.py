@@ -9,6 +9,7 @@ from torch import nn
 from tgserve.server.attention.backend import AttentionBackend
 from tgserve.server.attention.forward_context import ForwardContext, forward_context
 from tgserve.server.attention.metadata import AttentionMetadata
+from tgserve.server.kv_cache.pool import allocate_kv_caches, allocate_kv_scales
 from tgserve.server.kv_cache.spec import KVCacheSpec
 
 
@@ -16,8 +17,8 @@ class ModelForward:
     """`forward(input_ids [T], positions [T], metadata, logits_indices [N]) -> logits [N, vocab]`.
 
     The backend plans the step once, before the first layer; the layers reach that plan, the
-    backend and their KV views through the forward context. `kv_caches` is set by the shard: a
-    one-block placeholder while the pool is sized, then the pool.
+    backend and their KV views through the forward context. The shard sets the pool
+    (`allocate_pool`): a one-block placeholder while the pool is sized, then the pool.
     """
 
     def __init__(self, model: nn.Module, backend: AttentionBackend, specs: list[KVCacheSpec]) -> None:
@@ -25,6 +26,16 @@ class ModelForward:
         self.backend = backend
         self.specs = specs
         self.kv_caches: list[torch.Tensor] = []
+        self.kv_scales: list[torch.Tensor | None] = []  # an fp8 cache's scales, per layer
+
+    def allocate_pool(self, num_blocks: int, block_size: int, device: torch.device) -> None:
+        """Every layer's KV cache of `num_blocks` blocks (and, for an fp8 cache, its scales)."""
+        self.release_pool()
+        self.kv_caches = allocate_kv_caches(self.specs, num_blocks, block_size, device)
+        self.kv_scales = allocate_kv_scales(self.specs, num_blocks, block_size, device)
+
+    def release_pool(self) -> None:
+        self.kv_caches, self.kv_scales = [], []
 
     @torch.inference_mode()
     def __call__(
@@ -34,6 +45,7 @@ class ModelForward:
         metadata: AttentionMetadata,
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
-        context = ForwardContext(self.backend, self.backend.plan(metadata), self.kv_caches, self.specs)
+        context = ForwardContext(self.backend, self.backend.plan(metadata), self.kv_caches, self.specs,
+                                 self.kv_scales)  # fmt: skip
         with forward_context(context):
             return self.model(input_ids, positions, logits_indices)

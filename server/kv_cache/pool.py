@@ -24,6 +24,19 @@ def allocate_kv_caches(
     ]
 
 
+def allocate_kv_scales(
+    specs: list[KVCacheSpec], num_blocks: int, block_size: int, device: torch.device
+) -> list[torch.Tensor | None]:
+    """Per layer, an fp8 cache's scales [2, num_blocks, block_size, num_kv_heads] float32 (zeros:
+    a slot is read only after its row and scale are written), or None for a cache without."""
+    return [
+        torch.zeros(2, num_blocks, block_size, spec.num_kv_heads, dtype=torch.float32, device=device)
+        if spec.scaled
+        else None
+        for spec in specs
+    ]
+
+
 def scratch_slot(kv_cache: torch.Tensor) -> int:
     """The first slot of the pool's last block: where a backend whose writes cannot skip slot -1
     (HPU's static-shape `index_copy_`) sends padding rows. That block must be one the block manager

@@ -5,6 +5,11 @@ Model code never sees a cache format: the engine allocates one tensor per layer,
 block ids, and each attention layer reads and writes its own slice through the forward context.
 A backend that cannot skip a write (slot -1) asks for scratch blocks at the end of the pool, beyond
 the blocks the block manager hands out (`AttentionBackend.scratch_blocks`, `scratch_slot`).
+
+An fp8 cache (`--kv-cache-dtype fp8`) stores e4m3 values and, beside them, one float32 scale per
+(token, KV head) row, set when the row is written: [2, num_blocks, block_size, num_kv_heads]
+(`kernels/fp8_format.quantize_kv`). A scale per row needs no calibration and never saturates; it
+costs 4 bytes a head_dim-long row (3% at 128).
 """
 
 from __future__ import annotations
@@ -14,7 +19,12 @@ from typing import Any
 
 import torch
 
+from tgserve.kernels.fp8_format import FP8
 from tgserve.server.distributed.tensor_parallel import split_evenly
+
+# --kv-cache-dtype: vLLM's names, and TGI's fp8_e4m3fn. "auto" keeps the model's dtype; fp8 is e4m3
+# (OCP's fn variant). The router's flag lists the same names (router/serve_args.py).
+KV_CACHE_DTYPES = {"auto": None, "fp8": FP8, "fp8_e4m3": FP8, "fp8_e4m3fn": FP8}
 
 
 @dataclass(frozen=True)
@@ -26,15 +36,21 @@ class KVCacheSpec:
 
     num_kv_heads: int
     head_dim: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # what the cache stores: the model's dtype, or fp8
     sliding_window: int | None = None
 
     @property
     def kind(self) -> str:
         return "full" if self.sliding_window is None else "sliding_window"
 
+    @property
+    def scaled(self) -> bool:
+        """An fp8 cache: each (token, KV head) row has a float32 scale beside it."""
+        return self.dtype == FP8
+
     def bytes_per_token(self) -> int:
-        return 2 * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        row = self.head_dim * self.dtype.itemsize + (4 if self.scaled else 0)
+        return 2 * self.num_kv_heads * row
 
 
 def _first_attr(config: Any, names: tuple[str, ...], default: Any = None) -> Any:
@@ -85,9 +101,16 @@ def layer_sliding_windows(config: Any) -> list[int | None]:
     return [None] * n
 
 
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """What the cache stores for --kv-cache-dtype `name`: the model's dtype for "auto"."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype {name!r} is not one of: {', '.join(KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[name] or model_dtype
+
+
 def kv_cache_specs(config: Any, dtype: torch.dtype, tensor_parallel_size: int = 1) -> list[KVCacheSpec]:
-    """The cache every layer of this architecture needs, read off its HF config; with tensor
-    parallelism, one shard's (its share of the KV heads)."""
+    """The cache every layer of this architecture needs, read off its HF config, storing `dtype`
+    (`kv_cache_dtype`); with tensor parallelism, one shard's (its share of the KV heads)."""
     local = split_evenly(num_kv_heads(config), tensor_parallel_size, "KV heads")
     dim = head_dim(config)
     return [KVCacheSpec(local, dim, dtype, window) for window in layer_sliding_windows(config)]

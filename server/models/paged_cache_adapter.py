@@ -24,8 +24,13 @@ class PagedCacheAdapter(Cache):
 
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None):  # noqa: ANN001, ANN201
         # key_states [1, H_kv, T, D] -> [T, H_kv, D]
-        kv_cache, meta = self.ctx.kv_caches[layer_idx], self.ctx.metadata
-        write_kv(key_states[0].transpose(0, 1), value_states[0].transpose(0, 1), kv_cache, meta.slot_mapping)
+        kv_cache, kv_scale, meta = (
+            self.ctx.kv_caches[layer_idx],
+            self.ctx.kv_scale(layer_idx),
+            self.ctx.metadata,
+        )
+        write_kv(key_states[0].transpose(0, 1), value_states[0].transpose(0, 1), kv_cache, meta.slot_mapping,
+                 kv_scale)  # fmt: skip
         keys, values = [], []
         starts = meta.query_start_loc_cpu
         for i, seq_len in enumerate(meta.seq_lens_cpu):
@@ -33,7 +38,7 @@ class PagedCacheAdapter(Cache):
             if end - begin == seq_len:  # a fresh prompt: its context is this step's keys
                 k, v = (s[0, :, begin:end].transpose(0, 1) for s in (key_states, value_states))
             else:
-                k, v = gather_kv(kv_cache, meta.block_tables[i], seq_len)
+                k, v = gather_kv(kv_cache, meta.block_tables[i], seq_len, kv_scale)
             keys.append(k)
             values.append(v)
         packed_k = torch.cat(keys).transpose(0, 1)[None].to(key_states.dtype)

@@ -57,6 +57,10 @@ class StaticBatchEngine:
             raise ValueError("the optimum-habana fallback runs on one device: use --num-shard 1")
         if args.load_format != "auto":
             raise ValueError(f"the optimum-habana fallback loads checkpoints only, not {args.load_format!r}")
+        if args.kv_cache_dtype != "auto":
+            raise ValueError(
+                "the optimum-habana fallback keeps its KV cache in the model's dtype: use --kv-cache-dtype auto"
+            )
         described = described or load_model_description(args)
         self.device, self.dtype, self.source = described.device, described.dtype, described.source
         self.config, self.max_model_len = described.config, described.max_model_len

@@ -5,7 +5,9 @@ tokens still on their way are read from the device by the next step, and a reque
 a token the scheduler learns late has one step computed for nothing, which is dropped. One
 workload exercises what that can break: chunked prefill, preemption, prefix-cache hits, seeded
 sampling, penalties (which need the tokens in flight on the host), logprobs, prompt logprobs,
-stop tokens, a stop found downstream (`finish_request`) and an abort.
+stop tokens, a stop found downstream (`finish_request`) and an abort. It runs over a KV cache in
+the model's dtype and over an fp8 one (quantized rows written, recomputed after preemption, shared
+by prefix hits and read back by every kind of step).
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ def serve(
     async_scheduling: bool,
     params: list[SamplingParams],
     watch: Callable[[LLMEngine], None] = lambda e: None,
+    kv_cache_dtype: str = "auto",
 ) -> tuple[dict[str, Seen], LLMEngine]:
     engine = LLMEngine(
         EngineArgs(
@@ -72,6 +75,7 @@ def serve(
             block_size=8,
             num_blocks=20,
             async_scheduling=async_scheduling,
+            kv_cache_dtype=kv_cache_dtype,
         )
     )
     watch(engine)
@@ -119,13 +123,24 @@ ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), rea
 
 # On CUDA the tokens in flight are read back through pinned copies and events, and decode steps
 # replay CUDA graphs whose inputs come from the previous step's device tensor.
-@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=ON_GPU)])
+@pytest.fixture(
+    scope="module",
+    params=[
+        ("cpu", "auto"),
+        ("cpu", "fp8"),
+        pytest.param(("cuda", "auto"), marks=ON_GPU),
+        pytest.param(("cuda", "fp8"), marks=ON_GPU),
+    ],
+    ids=lambda p: "-".join(p),
+)
 def runs(request) -> tuple[dict[str, Seen], dict[str, Seen], LLMEngine]:
-    device = request.param
-    unstopped, _ = serve(device, False, workload(None))
+    device, kv = request.param
+    unstopped, _ = serve(device, False, workload(None), kv_cache_dtype=kv)
     stop_token = unstopped["r1"].tokens[3]  # r1 stops on its 4th token
-    synchronous, _ = serve(device, False, workload(stop_token))
-    overlapped, engine = serve(device, True, workload(stop_token), watch=penalties_see_every_token)
+    synchronous, _ = serve(device, False, workload(stop_token), kv_cache_dtype=kv)
+    overlapped, engine = serve(device, True, workload(stop_token), watch=penalties_see_every_token,
+                               kv_cache_dtype=kv)  # fmt: skip
+    assert engine.shard.specs[0].scaled == (kv == "fp8")
     assert engine.penalised_rows[0] > 10
     return synchronous, overlapped, engine
 

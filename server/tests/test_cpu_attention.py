@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from tgserve.kernels.fp8_format import FP8, dequantize_kv, quantize_kv
 from tgserve.kernels.reference import write_kv
 from tgserve.server.attention.backend import AttentionLayerParams
 from tgserve.server.attention.cpu import CpuAttentionBackend
@@ -36,13 +37,19 @@ def dense_reference(q, k, v, scale, window, softcap):
 
 
 def run_backend(contexts, q_lens, num_heads, num_kv, dim, block_size, window, softcap, seed=0, backend=None,
-                rows=None, static=None):  # fmt: skip
+                rows=None, static=None, fp8=False, fresh_from_cache=False):  # fmt: skip
     """Earlier tokens are written first (as previous steps would), then one step of q_lens per
     sequence; with rows, only those query rows are asked for (and expected); with static
-    (StaticShapes), the step is padded to its bucket first, as the static-shape runner pads it."""
+    (StaticShapes), the step is padded to its bucket first, as the static-shape runner pads it.
+
+    fp8: the cache stores e4m3 with scales, and the expected attention reads keys and values as
+    the cache gives them back (dequantized) wherever the backend reads the cache: every sequence
+    with a cached prefix or one query, and fresh prompts too with fresh_from_cache (their step's own
+    keys otherwise)."""
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(math.ceil(n / block_size) for n in contexts) + 3
-    cache = torch.zeros(2, num_blocks, block_size, num_kv, dim)
+    cache = torch.zeros(2, num_blocks, block_size, num_kv, dim, dtype=FP8 if fp8 else torch.float32)
+    kv_scale = torch.zeros(2, num_blocks, block_size, num_kv) if fp8 else None
     free = list(range(num_blocks))
     random.Random(seed).shuffle(free)  # scattered, non-contiguous blocks
     tables, full = [], []
@@ -50,7 +57,8 @@ def run_backend(contexts, q_lens, num_heads, num_kv, dim, block_size, window, so
         tables.append([free.pop() for _ in range(math.ceil(n / block_size))])
         full.append(tuple(torch.randn(n, h, dim, generator=gen) for h in (num_heads, num_kv, num_kv)))
     backend = backend or CpuAttentionBackend()
-    layer = AttentionLayerParams(KVCacheSpec(num_kv, dim, torch.float32, window), dim**-0.5, softcap)
+    spec = KVCacheSpec(num_kv, dim, cache.dtype, window)
+    layer = AttentionLayerParams(spec, dim**-0.5, softcap, kv_scale=kv_scale)
 
     # Previous steps: store the context before this step's queries.
     def slot(table, p):
@@ -58,7 +66,7 @@ def run_backend(contexts, q_lens, num_heads, num_kv, dim, block_size, window, so
 
     for (_q, k, v), table, n, ql in zip(full, tables, contexts, q_lens):
         slots = torch.tensor([slot(table, p) for p in range(n - ql)], dtype=torch.long)
-        write_kv(k[: n - ql], v[: n - ql], cache, slots)
+        write_kv(k[: n - ql], v[: n - ql], cache, slots, kv_scale)
     starts = [0]
     for ql in q_lens:
         starts.append(starts[-1] + ql)
@@ -76,9 +84,14 @@ def run_backend(contexts, q_lens, num_heads, num_kv, dim, block_size, window, so
         seq_lens_cpu=list(contexts),
         block_size=block_size,
     )
+
+    def as_read(x, n, ql):
+        reads_cache = fp8 and (ql < n or ql == 1 or fresh_from_cache)  # one query: a decode group
+        return dequantize_kv(*quantize_kv(x)) if reads_cache else x
+
     expected = torch.cat(
         [
-            dense_reference(q[n - ql :], k, v, dim**-0.5, window, softcap)
+            dense_reference(q[n - ql :], as_read(k, n, ql), as_read(v, n, ql), dim**-0.5, window, softcap)
             for (q, k, v), n, ql in zip(full, contexts, q_lens)
         ]
     )
@@ -92,6 +105,8 @@ def run_backend(contexts, q_lens, num_heads, num_kv, dim, block_size, window, so
         query, key, value = (pad_rows(t, shape.num_tokens, 0) for t in (query, key, value))
         rows = pad_rows(rows, shape.num_logits, 0)  # padding logit rows repeat row 0
     out = backend.forward_rows(query, key, value, cache, backend.plan(meta), layer, rows)[:kept]
+    if fp8:
+        return out, expected[rows[:kept]]
     # Every row's keys and values were stored: the cache now answers a full step's queries too.
     for (_q, k, v), table, n in zip(full, tables, contexts):
         slots = torch.tensor([slot(table, p) for p in range(n)], dtype=torch.long)
@@ -111,6 +126,30 @@ def test_mixed_prefill_and_decode_match_dense(num_heads, num_kv, window, softcap
 def test_all_decode_batch_matches_dense():
     contexts = [3, 8, 9, 64, 2]
     out, expected = run_backend(contexts, [1] * 5, 8, 2, 32, 4, None, None, seed=3)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_heads,num_kv", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (7, 50.0)])
+def test_fp8_cache_mixed_steps_match_dense_over_what_the_cache_holds(num_heads, num_kv, window, softcap):
+    """An fp8 cache: decode groups and chunks after a prefix read the stored rows back dequantized,
+    fresh prompts attend over their own keys; each as dense attention over those keys."""
+    contexts = [1, 9, 17, 33, 16, 40, 5, 30, 31]
+    q_lens = [1, 9, 1, 12, 1, 1, 5, 1, 1]
+    out, expected = run_backend(contexts, q_lens, num_heads, num_kv, 16, 8, window, softcap, fp8=True)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend_name,case", [("cpu", "fresh-last-rows"), ("cpu", "paged"), ("cuda", "paged"),
+                                               ("cuda", "fresh-last-rows")])  # fmt: skip
+def test_fp8_cache_kept_rows_match_dense(backend_name, case):
+    """The cuda backend's kept rows run as decode queries over the (fp8) cache, fresh prompts too."""
+    from tgserve.server.attention.cuda import CudaAttentionBackend
+
+    backend = CpuAttentionBackend() if backend_name == "cpu" else CudaAttentionBackend()
+    contexts, q_lens, rows = ROW_CASES[case]
+    out, expected = run_backend(contexts, q_lens, 8, 2, 16, 4, 6, 30.0, seed=7, backend=backend, rows=rows,
+                                fp8=True, fresh_from_cache=backend_name == "cuda")  # fmt: skip
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 

@@ -1,0 +1,104 @@
+"""GPU benchmark (issue 34): one long context served end to end at Llama-3-8B's shape (dummy
+weights, bf16 model), per KV cache dtype: the pool, the time to the first token of a prompt that
+fills the context, and the decode step over it.
+
+Each (dtype, context) runs in its own process, so the GPU starts empty as a server's would. The
+model's context is stretched to each length (`max_position_embeddings`); the prompt is the context
+less the tokens generated. Decode: the median step while the request generates its last tokens, with
+CUDA graphs and async scheduling as served. JSON lines, then a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from engine_cuda import prompts  # noqa: E402
+from whole_prompt_memory_cuda import model_dir  # noqa: E402
+
+from tgserve.server.config.engine_args import EngineArgs  # noqa: E402
+from tgserve.server.engine.llm_engine import LLMEngine  # noqa: E402
+from tgserve.server.protocol.params import SamplingParams  # noqa: E402
+
+GIB = 1 << 30
+
+
+def serve_one(context: int, kv_cache_dtype: str, new_tokens: int, layers: int, utilization: float) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        engine = LLMEngine(
+            EngineArgs(
+                model=str(model_dir(Path(tmp), context, layers)),
+                load_format="dummy",
+                max_model_len=context,
+                max_num_seqs=1,
+                gpu_memory_utilization=utilization,
+                enable_prefix_caching=False,
+                kv_cache_dtype=kv_cache_dtype,
+            )
+        )
+        startup = time.perf_counter() - start
+    prompt = prompts(1, context - new_tokens, engine.vocab_size, seed=5)[0]
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    engine.add_request(
+        "long", prompt, SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
+    )
+    stamps = []
+    while engine.has_unfinished_requests():
+        if engine.step():
+            stamps.append(time.perf_counter())
+    steps = sorted(b - a for a, b in zip(stamps[len(stamps) // 2 :], stamps[len(stamps) // 2 + 1 :]))
+    return {
+        "kv_cache_dtype": kv_cache_dtype,
+        "context": context,
+        "pool_tokens": engine.num_blocks * engine.args.block_size,
+        "prefilled_whole_from": engine.shard.whole_prompt_tokens,
+        "ttft_s": round(stamps[0] - start, 2),
+        "decode_ms": round(1e3 * steps[len(steps) // 2], 3),
+        "peak_gib": round(torch.cuda.max_memory_allocated() / GIB, 2),
+        "startup_s": round(startup, 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--runs", nargs="+", default=["auto:131072", "fp8:131072", "auto:524288", "fp8:524288",
+                                                       "fp8:1048576"], help="dtype:context pairs")  # fmt: skip
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        dtype, context = args.one.split(":")
+        result = serve_one(int(context), dtype, args.new_tokens, args.layers, args.gpu_memory_utilization)
+        print(json.dumps(result), flush=True)
+        return
+    rows = []
+    for run in args.runs:
+        done = subprocess.run([sys.executable, *sys.argv, "--one", run], capture_output=True, text=True)
+        if done.returncode != 0:
+            print(run, "failed:", done.stderr[-3000:], flush=True)
+            continue
+        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        print(json.dumps(rows[-1]), flush=True)
+    print("| KV cache | context | pool tokens | prefilled whole from | TTFT s | decode ms/token | peak GiB |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['kv_cache_dtype']} | {r['context']:,} | {r['pool_tokens']:,} | {r['prefilled_whole_from']} | "
+              f"{r['ttft_s']} | {r['decode_ms']} | {r['peak_gib']} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""The fp8 KV cache: the KV write, paged decode and paged prefill kernels on an e4m3 cache with a
+float32 scale a (token, KV head), each against its torch twin (`reference` with `kv_scale`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tgserve.kernels import dispatch, reference
+from tgserve.kernels.fp8_format import FP8, dequantize_kv, quantize_kv
+from tgserve.kernels.kv_write import write_kv
+from tgserve.kernels.paged_decode import paged_decode
+from tgserve.kernels.paged_prefill import paged_prefill
+from tgserve.kernels.testing import make_paged_batch, max_abs_err, rel_l2, with_fp8_cache
+
+# Tolerances of the kernels against the twin on the same fp8 cache: both dequantize the same bytes
+# with the same scales, so they differ only as the dense kernels do (summation order, fp16 products).
+ATOL = {torch.float32: 2e-5, torch.float16: 4e-3}
+
+
+def _empty_fp8_cache(num_blocks: int, block_size: int, heads: int, dim: int, device) -> tuple:
+    cache = torch.full((2, num_blocks, block_size, heads, dim), float("nan")).to(FP8)
+    scale = torch.full((2, num_blocks, block_size, heads), -1.0)
+    return cache.to(device), scale.to(device)
+
+
+def test_quantize_kv_rounds_as_torch_and_bounds_the_error():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 4, 32, generator=gen) * torch.logspace(-3, 2, 64)[:, None, None]
+    q, scale = quantize_kv(x)
+    assert q.dtype == FP8 and scale.shape == (64, 4)
+    assert torch.equal(q.float().abs().amax(-1), torch.full((64, 4), 448.0))  # each row spans e4m3
+    # e4m3 keeps 3 mantissa bits: within half a step, 1/16 of the value, above the subnormals.
+    err = (dequantize_kv(q, scale) - x).abs()
+    assert (err <= x.abs() / 16 + scale[..., None] * 2.0**-10).all()
+    assert rel_l2(dequantize_kv(q, scale), x) < 0.03
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_kv_heads,head_dim,block_size", [(1, 64, 16), (4, 32, 8), (2, 80, 5)])
+def test_write_kv_into_fp8_matches_reference(device, dtype, num_kv_heads, head_dim, block_size):
+    gen = torch.Generator().manual_seed(1)
+    num_blocks, num_tokens = 7, 19
+    # Magnitudes over five decades, so rounding carries into the exponent somewhere in every row.
+    spread = torch.logspace(-2, 3, head_dim)[torch.randperm(head_dim, generator=gen)]
+    key = (torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen) * spread).to(dtype)
+    value = (torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen) * spread).to(dtype)
+    value[3] = 0.0  # an all-zero row: a tiny scale, zeros back
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[[0, 5, 18]] = -1
+    want_cache, want_scale = _empty_fp8_cache(num_blocks, block_size, num_kv_heads, head_dim, "cpu")
+    reference.write_kv(key, value, want_cache, slots, want_scale)
+    cache, scale = _empty_fp8_cache(num_blocks, block_size, num_kv_heads, head_dim, device)
+    write_kv(key.to(device), value.to(device), cache, slots.to(device), scale)
+    torch.testing.assert_close(scale.cpu(), want_scale, rtol=0, atol=0)
+    torch.testing.assert_close(cache.cpu().float(), want_cache.float(), rtol=0, atol=0, equal_nan=True)
+
+
+def _reference(batch, scale: float, window=None, softcap=None) -> torch.Tensor:
+    return reference.paged_attention(batch.query.cpu(), batch.kv_cache.cpu(), batch.block_tables.cpu(),
+                                     batch.query_start_loc.cpu(), batch.seq_lens.cpu(), scale, window, softcap,
+                                     kv_scale=batch.kv_scale.cpu())  # fmt: skip
+
+
+def _check(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    assert torch.isfinite(got).all(), "rows left unwritten, or a read outside the context"
+    assert max_abs_err(got.cpu(), want) <= ATOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads,splits,window", [((8, 2), 1, None), ((4, 4), 3, None), ((8, 1), 2, 6)])
+def test_decode_over_fp8_matches_reference(device, dtype, heads, splits, window):
+    batch = with_fp8_cache(make_paged_batch([1] * 5, [1, 7, 8, 17, 45], *heads, 32, 8, dtype, device, seed=3))
+    out = torch.full_like(batch.query, float("nan"))
+    paged_decode(batch.query, batch.kv_cache, batch.block_tables, batch.seq_lens, 0.3, window, out=out,
+                 num_splits=splits, kv_scale=batch.kv_scale)  # fmt: skip
+    _check(out, _reference(batch, 0.3, window), dtype)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_stores_the_step_kv_into_fp8(device, splits):
+    """The decode kernel's own store of the step's key and value quantizes as write_kv does: the
+    cache and scales end as the twin leaves them, and the output reads the stored row back."""
+    full = make_paged_batch([1] * 4, [1, 9, 33, 50], 8, 2, 32, 8, torch.float32, device, seed=21)
+    slots = full.slot_mapping.clone()
+    slots[1] = -1  # padding: not written
+    batch = with_fp8_cache(full)
+    cache, kv_scale = batch.kv_cache.clone(), batch.kv_scale.clone()
+    poisoned = slots[slots >= 0].long()
+    cache.view(2, -1, *cache.shape[-2:])[:, poisoned] = float("nan")
+    kv_scale.view(2, -1, kv_scale.shape[-1])[:, poisoned] = float("nan")
+    out = torch.full_like(batch.query, float("nan"))
+    paged_decode(batch.query, cache, batch.block_tables, batch.seq_lens, 0.3, out=out, num_splits=splits,
+                 step_kv=(full.key, full.value, slots), kv_scale=kv_scale)  # fmt: skip
+    want_cache, want_scale = batch.kv_cache.cpu().clone(), batch.kv_scale.cpu().clone()
+    # Row 1's slot was not poisoned, so the cache keeps what make_paged_batch stored there.
+    _check(out, _reference(batch, 0.3), torch.float32)
+    torch.testing.assert_close(kv_scale.cpu(), want_scale, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(cache.cpu().float(), want_cache.float(), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("window,softcap", [(None, None), (9, None), (None, 2.0)])
+def test_prefill_over_fp8_matches_reference(device, dtype, window, softcap):
+    # Chunks after a cached prefix, a fresh prompt and a decode row in one step.
+    batch = make_paged_batch([5, 12, 1], [21, 12, 40], 8, 2, 32, 8, dtype, device, seed=6)
+    batch = with_fp8_cache(batch)
+    out = torch.full_like(batch.query, float("nan"))
+    paged_prefill(batch.query, batch.kv_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens, 0.2,
+                  window, softcap, out=out, kv_scale=batch.kv_scale)  # fmt: skip
+    _check(out, _reference(batch, 0.2, window, softcap), dtype)
+
+
+def test_fp8_attention_stays_close_to_full_precision(device):
+    """What the format costs: attention over the fp8 cache against the same cache unquantized."""
+    full = make_paged_batch([1] * 3, [64, 100, 200], 8, 2, 64, 16, torch.float32, device, seed=8)
+    fp8 = with_fp8_cache(full)
+    exact = reference.paged_attention(full.query.cpu(), full.kv_cache.cpu(), full.block_tables.cpu(),
+                                      full.query_start_loc.cpu(), full.seq_lens.cpu(), 0.125)  # fmt: skip
+    got = dispatch.paged_decode(fp8.query, fp8.kv_cache, fp8.block_tables, fp8.seq_lens, 0.125,
+                                kv_scale=fp8.kv_scale)  # fmt: skip
+    assert rel_l2(got.cpu(), exact) < 0.05
+
+
+def test_dispatch_write_then_prefill_on_fp8(device):
+    """dispatch.write_kv then dispatch.paged_prefill, as the backend calls them, on an fp8 pool."""
+    full = make_paged_batch([3, 1, 2], [9, 20, 31], 8, 2, 32, 8, torch.float32, device, seed=22)
+    batch = with_fp8_cache(full)
+    cache, kv_scale = batch.kv_cache.clone(), batch.kv_scale.clone()
+    cache.view(2, -1, *cache.shape[-2:])[:, full.slot_mapping.long()] = float("nan")
+    dispatch.write_kv(full.key, full.value, cache, full.slot_mapping, kv_scale)
+    got = dispatch.paged_prefill(batch.query, cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
+                                 0.3, kv_scale=kv_scale)  # fmt: skip
+    _check(got, _reference(batch, 0.3), torch.float32)
