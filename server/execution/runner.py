@@ -139,10 +139,10 @@ class ModelRunner:
             if state is not None and index < len(state.token_ids) and state.token_ids[index] == PLACEHOLDER:
                 state.token_ids[index] = token_id
             result.sampled_token_ids[request_id] = token_id
-            if state is not None and request_id in self.guided:
-                reason = self.guided.consume(request_id, index - state.num_prompt_tokens, token_id)
-                if reason is not None:
-                    result.finish_reasons[request_id] = reason
+            # Preempted since (no state) or not, the request keeps this token: so does its grammar.
+            reason = self.guided.consume(request_id, token_id) if request_id in self.guided else None
+            if reason is not None:
+                result.finish_reasons[request_id] = reason
         if step.logprobs is not None:
             logprobs = step.logprobs.replace_tensors([next(host) for _ in step.logprobs.tensors()]).to_list()
             for row, logprob in zip(step.logprob_rows, logprobs, strict=True):
@@ -170,7 +170,8 @@ class ModelRunner:
     def _update_states(self, out: SchedulerOutput) -> None:
         for request_id in out.finished_request_ids | out.preempted_request_ids:
             self.requests.pop(request_id, None)
-            self.guided.remove(request_id)  # a preempted request's is rebuilt from its tokens
+        for request_id in out.finished_request_ids - out.preempted_request_ids:
+            self.guided.remove(request_id)  # a preempted request keeps its matcher
         for new in out.scheduled_new_requests:
             self.requests[new.request_id] = RunnerRequestState(
                 list(new.token_ids),

@@ -14,9 +14,11 @@ step that samples a guided request waits for that request's previous token first
 with async scheduling, batches with guided requests lose the overlap of host and device. Computing
 the masks on a worker thread beside the device step is the next step.
 
-A matcher is a function of its grammar and the request's output tokens: a preempted request's is
-dropped and built again, from the tokens it had, when the request comes back. Requests without a
-grammar never reach this module, so unguided batches pay nothing and sample exactly as before.
+A preempted request keeps its matcher, which still consumes the token that was in flight when it
+was preempted (the scheduler keeps that token too), so a grammar completed by it ends the request
+then. Should the matcher not match the tokens a request comes back with, it is built again from
+them. Requests without a grammar never reach this module, so unguided batches pay nothing and
+sample exactly as before.
 """
 
 from __future__ import annotations
@@ -105,8 +107,11 @@ class GuidedMatchers:
         return len(self._requests)
 
     def add(self, request_id: str, spec: GuidedDecoding, output_token_ids: Sequence[int] = ()) -> None:
-        """Build the request's matcher and let it consume the output the request already has (a
-        preempted request coming back)."""
+        """Build the request's matcher and let it consume the output the request already has; a
+        preempted request coming back keeps the matcher it has when that one has seen its output."""
+        kept = self._requests.get(request_id)
+        if kept is not None and kept.num_consumed == len(output_token_ids):
+            return
         try:
             import llguidance
 
@@ -172,18 +177,14 @@ class GuidedMatchers:
         for token_id in self._eos_ids:
             words[token_id // 32] |= np.uint32(1 << (token_id % 32))
 
-    def consume(self, request_id: str, position: int, token_id: int) -> FinishReason | None:
-        """The request's output token at `position` is `token_id`: advance its matcher once, and say
-        whether the request ends here (grammar complete, or the matcher in error)."""
+    def consume(self, request_id: str, token_id: int) -> FinishReason | None:
+        """The request's next output token is `token_id` (each step's tokens are read once):
+        advance its matcher, and say whether the request ends here (grammar complete, or the
+        matcher in error)."""
         guided = self._requests.get(request_id)
         if guided is None:
             return None
         if guided.failed():
-            return self._failed(request_id, guided)
-        if position < guided.num_consumed:
-            return None  # already consumed (a step collected twice)
-        if position > guided.num_consumed:
-            guided.error = f"output token {guided.num_consumed} never reached the matcher"
             return self._failed(request_id, guided)
         guided.num_consumed += 1
         if not guided.matcher.consume_token(token_id):

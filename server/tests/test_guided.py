@@ -93,15 +93,15 @@ def test_the_mask_allows_what_the_grammar_allows_and_the_end_comes_with_it(match
     assert texts and all(re.fullmatch(r"[0-9]{1,3}", text) for text in texts), texts
     assert tokenizer.eos_token_id not in first
     digits = tokenizer.encode("123")
-    for position, token in enumerate(digits[:-1]):
-        assert matchers.consume("r", position, token) is None
+    for token in digits[:-1]:
+        assert matchers.consume("r", token) is None
     # The grammar is complete on the last digit: the request ends there, without a token more.
-    assert matchers.consume("r", len(digits) - 1, digits[-1]) == FinishReason.EOS_TOKEN
+    assert matchers.consume("r", digits[-1]) == FinishReason.EOS_TOKEN
 
 
 def test_an_accepting_grammar_lets_the_end_token_through(matchers, tokenizer) -> None:
     matchers.add("r", GuidedDecoding("regex", r"[0-9]+"))
-    assert matchers.consume("r", 0, tokenizer.encode("7")[0]) is None
+    assert matchers.consume("r", tokenizer.encode("7")[0]) is None
     allowed = allowed_ids(matchers, ["r"])
     assert tokenizer.eos_token_id in allowed and tokenizer.encode("8")[0] in allowed
     assert tokenizer.encode("a")[0] not in allowed
@@ -122,29 +122,33 @@ def test_a_request_coming_back_from_preemption_resumes_its_grammar(matchers, tok
     spec = GuidedDecoding("json_schema", '{"type": "object", "properties": {"a": {"type": "integer"}}}')
     output = tokenizer.encode('{"a": 1')
     matchers.add("stepwise", spec)
-    for position, token in enumerate(output):
-        assert matchers.consume("stepwise", position, token) is None
+    for token in output:
+        assert matchers.consume("stepwise", token) is None
     matchers.add("rebuilt", spec, output)
     assert allowed_ids(matchers, ["stepwise"]) == allowed_ids(matchers, ["rebuilt"])
-    assert matchers.consume("rebuilt", len(output), tokenizer.encode("}")[0]) == FinishReason.EOS_TOKEN
+    # One that has seen the output stays as it is; one that has not is built again from it.
+    matchers.add("stepwise", spec, output)
+    matchers.add("rebuilt", spec, output + [tokenizer.encode(",")[0]])
+    assert allowed_ids(matchers, ["stepwise"]) != allowed_ids(matchers, ["rebuilt"])
+    assert matchers.consume("stepwise", tokenizer.encode("}")[0]) == FinishReason.EOS_TOKEN
 
 
 def test_a_grammar_that_does_not_compile_ends_its_request_on_the_end_token(matchers, tokenizer) -> None:
     matchers.add("bad", GuidedDecoding("regex", "(("))  # what the engine's check would have refused
     assert allowed_ids(matchers, ["bad"]) == [tokenizer.eos_token_id]
-    assert matchers.consume("bad", 0, tokenizer.eos_token_id) == FinishReason.GRAMMAR_ERROR
+    assert matchers.consume("bad", tokenizer.eos_token_id) == FinishReason.GRAMMAR_ERROR
 
 
 def test_without_a_tokenizer_guided_requests_end_with_a_grammar_error() -> None:
     matchers = GuidedMatchers(None, VOCAB)
     matchers.add("r", GuidedDecoding("regex", "a+"))
     assert matchers.mask(["r"], torch.zeros(1, VOCAB)) is not None
-    assert matchers.consume("r", 0, 5) == FinishReason.GRAMMAR_ERROR
+    assert matchers.consume("r", 5) == FinishReason.GRAMMAR_ERROR
 
 
 def test_a_token_the_grammar_refuses_ends_the_request(matchers, tokenizer) -> None:
     matchers.add("r", GuidedDecoding("regex", "[0-9]+"))
-    assert matchers.consume("r", 0, tokenizer.encode("a")[0]) == FinishReason.GRAMMAR_ERROR
+    assert matchers.consume("r", tokenizer.encode("a")[0]) == FinishReason.GRAMMAR_ERROR
 
 
 # ---- the mask in the sampler -------------------------------------------------------------------
