@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from tgserve.server.core.request import FinishReason
-from tgserve.server.device.transfer import pinned_to
+from tgserve.server.device.transfer import pinned_to, to_device
 from tgserve.server.protocol.grammar import grammar_text
 from tgserve.server.protocol.params import GuidedDecoding
 
@@ -66,7 +66,7 @@ def apply_token_mask(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:
     disallowed = ~allowed_tokens(mask.bits, logits.shape[-1])
     if len(mask.rows) == logits.shape[0]:
         return logits.masked_fill_(disallowed, float("-inf"))
-    index = torch.tensor(mask.rows, dtype=torch.int64).to(logits.device)
+    index = to_device(mask.rows, torch.int64, logits.device)
     logits[index] = logits[index].masked_fill(disallowed, float("-inf"))
     return logits
 
@@ -96,6 +96,7 @@ class GuidedMatchers:
         self._load_tokenizer = load_tokenizer
         self._vocab_size = vocab_size
         self._tokenizer: Any | None = None  # llguidance's LLTokenizer, built on first use (~0.3 s)
+        self._tokenizer_error: Exception | None = None  # why it could not be built: not tried again
         self._eos_ids: list[int] = []
         self._executor: Any | None = None
         self._requests: dict[str, _Guided] = {}
@@ -129,18 +130,28 @@ class GuidedMatchers:
 
     def _llg_tokenizer(self) -> Any:
         if self._tokenizer is None:
-            import llguidance
-            import llguidance.hf
-
-            if self._load_tokenizer is None:
-                raise RuntimeError("this engine was built without a tokenizer for guided decoding")
-            hf_tokenizer, eos_ids = self._load_tokenizer()
-            self._eos_ids = sorted(eos_ids)
-            # The mask covers the model's vocabulary (logits columns), or the tokenizer's where it is larger.
-            n_vocab = max(self._vocab_size, len(hf_tokenizer))
-            self._tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab, self._eos_ids or None)
-            self._executor = llguidance.LLExecutor()
+            if self._tokenizer_error is not None:
+                raise self._tokenizer_error
+            try:
+                self._tokenizer = self._build_tokenizer()
+            except Exception as exc:
+                self._tokenizer_error = exc
+                raise
         return self._tokenizer
+
+    def _build_tokenizer(self) -> Any:
+        import llguidance
+        import llguidance.hf
+
+        if self._load_tokenizer is None:
+            raise RuntimeError("this engine was built without a tokenizer for guided decoding")
+        hf_tokenizer, eos_ids = self._load_tokenizer()
+        self._eos_ids = sorted(eos_ids)
+        # The mask covers the model's vocabulary (logits columns), or the tokenizer's where it is larger.
+        n_vocab = max(self._vocab_size, len(hf_tokenizer))
+        tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab, self._eos_ids or None)
+        self._executor = llguidance.LLExecutor()
+        return tokenizer
 
     def mask(self, request_ids: Sequence[str], logits: torch.Tensor) -> TokenMask | None:
         """The masks of the guided requests among a step's sampled rows (`request_ids`, the rows
@@ -193,5 +204,5 @@ class GuidedMatchers:
 
     def _failed(self, request_id: str, guided: _Guided) -> FinishReason:
         guided.failed()
-        logger.warning("request %s ends: its grammar allows no token: %s", request_id, guided.error.strip())
+        logger.warning("request %s ends with grammar_error: %s", request_id, guided.error.strip())
         return FinishReason.GRAMMAR_ERROR

@@ -146,6 +146,20 @@ def test_without_a_tokenizer_guided_requests_end_with_a_grammar_error() -> None:
     assert matchers.consume("r", 5) == FinishReason.GRAMMAR_ERROR
 
 
+def test_a_tokenizer_that_cannot_be_bridged_is_tried_once() -> None:
+    calls = []
+
+    def load():
+        calls.append(1)
+        return object(), [0]  # not a tokenizer at all: building the bridge fails
+
+    matchers = GuidedMatchers(load, VOCAB)
+    for request_id in ("a", "b"):
+        matchers.add(request_id, GuidedDecoding("regex", "a+"))
+        assert matchers.consume(request_id, 5) == FinishReason.GRAMMAR_ERROR
+    assert len(calls) == 1
+
+
 def test_a_token_the_grammar_refuses_ends_the_request(matchers, tokenizer) -> None:
     matchers.add("r", GuidedDecoding("regex", "[0-9]+"))
     assert matchers.consume("r", tokenizer.encode("a")[0]) == FinishReason.GRAMMAR_ERROR
