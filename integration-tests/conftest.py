@@ -1,7 +1,7 @@
 """The real `tgserve serve` process on a free loopback port, for tests that drive it with real clients.
 
-Servers are expensive (a model load each), so each is shared: `tiny_server` by the whole session,
-`smol_server` by its module; tests that must kill one start their own with `start_server`.
+Servers are expensive (a model load each), so each is shared by the whole session: `tiny_server`
+and `smol_server`; tests that must kill one start their own with `start_server`.
 """
 
 from __future__ import annotations
@@ -138,3 +138,9 @@ def tiny_model() -> str:
 def tiny_server(start_server, tiny_model: str) -> ServerProcess:
     """The tiny random Llama, with an API key and small token limits (bad-input tests use them)."""
     return start_server(["--model-id", tiny_model, *TINY_ARGS], api_key=API_KEY, name="tiny")
+
+
+@pytest.fixture(scope="session")
+def smol_server(start_server) -> ServerProcess:
+    """The default model (SmolLM2-135M-Instruct, no --model-id): loading it on a CPU takes a while."""
+    return start_server([], name="smollm2")

@@ -1,5 +1,5 @@
 """The default model (SmolLM2-135M-Instruct, no --model-id): a real answer, and parity with the
-offline API. One server for the module: loading SmolLM2 on a CPU takes a while."""
+offline API. The server (`smol_server`) is the session's."""
 
 from __future__ import annotations
 
@@ -9,11 +9,6 @@ import pytest
 from huggingface_hub import InferenceClient
 
 PROMPT = "The capital of France is"
-
-
-@pytest.fixture(scope="module")
-def smol_server(start_server):
-    return start_server([], name="smollm2")
 
 
 @pytest.fixture(scope="module")

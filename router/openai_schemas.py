@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tgserve.router.config import RouterConfig
 from tgserve.router.errors import ValidationError
+from tgserve.router.guided import ResponseFormat, response_format_guided
 from tgserve.router.validation import SamplingRequest, sampling_params
 
 # Unknown fields are ignored (OpenAI clients send many); known ones are type-checked strictly.
@@ -51,6 +52,8 @@ class SamplingFields(OpenAIRequest):
     repetition_penalty: float | None = Field(default=None, gt=0.0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # Structured output; on /v1/completions too, as vLLM takes it.
+    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -84,7 +87,6 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
 
 def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -136,6 +138,7 @@ def openai_sampling(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         logit_bias=logit_bias(request.logit_bias),
+        guided=response_format_guided(request.response_format),
     )
     return SamplingRequest(params, max_tokens, n)
 
@@ -156,8 +159,6 @@ def template_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
     """Messages as the chat template expects them."""
     if request.tools:
         raise ValidationError("`tools` (function calling) is not supported by this server", param="tools")
-    if request.response_format and request.response_format.get("type") not in (None, "text"):
-        raise ValidationError("only response_format type 'text' is supported", param="response_format")
     messages = []
     for message in request.messages:
         item: dict[str, Any] = {"role": message.role, "content": message_text(message)}

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from pydantic import BaseModel, ConfigDict, Field
 
 from tgserve.router.config import RouterConfig
 from tgserve.router.errors import ValidationError
+from tgserve.router.guided import TGIGrammar, grammar_guided
 from tgserve.router.validation import SamplingRequest, sampling_params
 
 STRICT = ConfigDict(extra="ignore", strict=True)
@@ -24,7 +23,7 @@ class TGIParameters(BaseModel):
     details: bool = False
     do_sample: bool = False
     frequency_penalty: float | None = None
-    grammar: Any | None = None
+    grammar: TGIGrammar | None = None
     max_new_tokens: int | None = Field(default=None, gt=0)
     repetition_penalty: float | None = None
     return_full_text: bool | None = None
@@ -72,10 +71,6 @@ def wants_details(params: TGIParameters) -> bool:
 
 def check_tgi_rules(params: TGIParameters, config: RouterConfig, stream: bool) -> int:
     """TGI's checks beyond SamplingParams' ranges; returns best_of (1 when not given)."""
-    if params.grammar is not None:
-        raise ValidationError(
-            "`grammar` (guided generation) is not supported by this server", param="grammar"
-        )
     if params.adapter_id is not None:
         raise ValidationError(
             "`adapter_id` (LoRA adapters) is not supported by this server", param="adapter_id"
@@ -134,5 +129,6 @@ def tgi_sampling(params: TGIParameters, config: RouterConfig, stream: bool) -> S
         stop=tuple(params.stop or ()),
         logprobs=logprobs,
         prompt_logprobs=0 if params.decoder_input_details else None,
+        guided=grammar_guided(params.grammar),
     )
     return SamplingRequest(sampled, params.max_new_tokens, best_of)

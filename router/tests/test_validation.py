@@ -100,7 +100,12 @@ def test_tgi_streams_and_details_carry_logprobs():
         (TGIParameters(best_of=2), False, "sampling"),
         (TGIParameters(best_of=2, do_sample=True), True, "streaming"),
         (TGIParameters(truncate=11), False, "--max-input-tokens=10"),
-        (TGIParameters(grammar={"type": "json"}), False, "not supported"),
+        (
+            TGIParameters(grammar={"type": "regex", "value": "(("}),
+            False,
+            "regular expression.*unclosed group",
+        ),
+        (TGIParameters(grammar={"type": "json", "value": {"type": "nope"}}), False, "JSON schema.*nope"),
         (TGIParameters(watermark=True), False, "`watermark`.*not supported"),
         (TGIParameters(decoder_input_details=True), True, "not supported when streaming"),
     ],

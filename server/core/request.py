@@ -24,6 +24,8 @@ class FinishReason(str, enum.Enum):
     EOS_TOKEN = "eos_token"
     STOP_SEQUENCE = "stop_sequence"
     ABORT = "abort"
+    # Guided decoding: the grammar failed to compile, or allows no next token.
+    GRAMMAR_ERROR = "grammar_error"
 
 
 class Request:

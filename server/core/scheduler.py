@@ -12,6 +12,7 @@ its blocks are freed and it is recomputed later. Plain Python; the model runner 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 
 from tgserve.server.config.scheduler import SchedulerConfig
 from tgserve.server.core.block_manager import BlockManager
@@ -310,12 +311,17 @@ class Scheduler:
     # ---- after the step --------------------------------------------------------------------------
 
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, int]
+        self,
+        scheduler_output: SchedulerOutput,
+        sampled_token_ids: dict[str, int],
+        finish_reasons: Mapping[str, FinishReason] | None = None,
     ) -> list[Request]:
         """Apply a step's sampled tokens: append them, apply stop rules, cache the blocks now full.
 
         sampled_token_ids must hold a token for every request the step sampled
-        (`scheduler_output.sampling_request_ids`). Requests finished or aborted since the step was
+        (`scheduler_output.sampling_request_ids`). finish_reasons: requests that end on their token
+        for a reason only the runner sees (a grammar complete or failed); it goes before the stop
+        rules, since it says more. Requests finished or aborted since the step was
         scheduled are skipped; one preempted since then still gets its token (it was sampled from
         its whole context). Returns the requests that got a token (finished or not), in scheduling
         order.
@@ -337,7 +343,7 @@ class Scheduler:
             self.block_manager.cache_full_blocks(request, known)
             if token_id is None:
                 continue
-            reason = request.stop_reason(token_id, self._max_len)
+            reason = (finish_reasons or {}).get(request_id) or request.stop_reason(token_id, self._max_len)
             if reason is not None:
                 self._finish(request, reason)
             updated.append(request)

@@ -18,7 +18,8 @@ Prompt = str | list[int]
 
 @dataclass
 class CompletionOutput:
-    """One prompt's result. finish_reason: "length", "eos_token" or "stop_sequence"."""
+    """One prompt's result. finish_reason: "length", "eos_token", "stop_sequence" or (guided
+    decoding) "grammar_error"."""
 
     prompt: Prompt
     prompt_token_ids: list[int]

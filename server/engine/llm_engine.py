@@ -31,8 +31,10 @@ from tgserve.server.execution.memory import MemoryProfile
 from tgserve.server.execution.runner import LaunchedStep, RunnerOutput
 from tgserve.server.loading.description import ModelDescription, eos_token_ids, load_model_description
 from tgserve.server.loading.source import load_tokenizer
+from tgserve.server.protocol.grammar import check_grammar
 from tgserve.server.protocol.outputs import EngineStats, RequestOutput, TokenLogprob
 from tgserve.server.protocol.params import InvalidRequestError, SamplingParams, check_prompt_tokens
+from tgserve.server.sampling.guided import GuidedMatchers
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +55,7 @@ class LLMEngine:
         self.tp, self.workers = self._join_shards()
         self.shard = build_shard(args, described, self.device, self.tp)
         self.runner, self.num_blocks = self.shard.runner, self.shard.num_blocks
+        self.runner.guided = GuidedMatchers(lambda: (self.tokenizer, self.eos_token_ids), self.vocab_size)
         self.memory_profile: MemoryProfile | None = self.shard.memory_profile
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -117,6 +120,8 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Validate and queue a request; raises InvalidRequestError naming the problem and the limit."""
         self._validate(request_id, prompt_token_ids)
+        if params.guided is not None:
+            check_grammar(params.guided)  # a grammar that does not compile never reaches the loop
         self.scheduler.add_request(Request(request_id, prompt_token_ids, params, self.eos_token_ids))
         if params.prompt_logprobs is not None:
             self._prompt_logprobs[request_id] = []
@@ -187,7 +192,9 @@ class LLMEngine:
         if seqs:
             kind = step_kind(len(scheduler_output.scheduled_new_requests), tokens, seqs)
             self.step_clock.record(time.monotonic() - started, kind)
-        updated = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
+        updated = self.scheduler.update_from_output(
+            scheduler_output, runner_output.sampled_token_ids, runner_output.finish_reasons
+        )
         self._collect_prompt_logprobs(runner_output)
         return [self._output(request, runner_output) for request in updated]
 

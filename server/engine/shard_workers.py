@@ -23,8 +23,10 @@ import torch
 from tgserve.server.config.engine_args import EngineArgs
 from tgserve.server.distributed.tensor_parallel import init_tensor_parallel, shutdown_tensor_parallel
 from tgserve.server.engine.model_shard import build_shard
-from tgserve.server.loading.description import load_model_description
+from tgserve.server.loading.description import ModelDescription, eos_token_ids, load_model_description
 from tgserve.server.loading.gguf_parsing import parsed_once
+from tgserve.server.loading.source import load_tokenizer
+from tgserve.server.sampling.guided import GuidedMatchers
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +64,10 @@ def worker_main(rank: int, args: EngineArgs, init_method: str) -> None:
     with parsed_once():  # a GGUF file's config and weights from one parse
         described = load_model_description(args)
         shard = build_shard(args, described, shard_device(described.device, rank), tp)
+    # Guided rows are masked on every rank alike, from the same tokenizer, loaded when first needed.
+    shard.runner.guided = GuidedMatchers(
+        lambda: _tokenizer_and_eos(args, described), int(described.config.vocab_size)
+    )
     # Each step is launched before the last one's tokens are read, as rank 0 does with async
     # scheduling: a worker whose host waited for its GPU would hold every rank at the next collective.
     in_flight = None
@@ -75,6 +81,11 @@ def worker_main(rank: int, args: EngineArgs, init_method: str) -> None:
         in_flight = launched
     shutdown_tensor_parallel()
     exit_without_teardown()
+
+
+def _tokenizer_and_eos(args: EngineArgs, described: ModelDescription) -> tuple:
+    tokenizer = load_tokenizer(described.source, args.trust_remote_code)
+    return tokenizer, eos_token_ids(described.config, tokenizer, described.source)
 
 
 def exit_without_teardown() -> None:

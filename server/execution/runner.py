@@ -8,6 +8,8 @@ A step is launched (`launch`: inputs, forward, sampling, all queued on the devic
 later (`collect`: the sampled tokens read on the host). Between the two the next step can be
 launched: a token still on its way sits in the request's list as a placeholder, and the next step
 reads it from the device tensor it was sampled into, so the host never waits for the GPU in between.
+Requests whose next token depends on the last one's value (penalties, a grammar) are the exception:
+a step that samples them waits for the step before.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import numpy as np
 import torch
 
 from tgserve.server.attention.metadata import AttentionMetadata
+from tgserve.server.core.request import FinishReason
 from tgserve.server.core.scheduler_output import SchedulerOutput
 from tgserve.server.device.transfer import HostCopies, pinned_to, to_device
 from tgserve.server.execution.executor import StepExecutor
@@ -26,6 +29,7 @@ from tgserve.server.execution.step_inputs import PromptLogprobRows, StepInputs, 
 from tgserve.server.execution.step_rows import HostRows, span_slots
 from tgserve.server.protocol.outputs import TokenLogprob
 from tgserve.server.protocol.params import SamplingParams
+from tgserve.server.sampling.guided import GuidedMatchers
 from tgserve.server.sampling.sampler import LogprobTensors, Sampler, SamplingRow, logprob_tensors
 
 # A sampled token whose value is still on the device.
@@ -49,6 +53,8 @@ class RunnerOutput:
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     # request id -> (position of the first prompt token scored, its log-probability and the next ones')
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
+    # Requests that end on this step's token for a reason the scheduler cannot see (their grammar).
+    finish_reasons: dict[str, FinishReason] = field(default_factory=dict)
 
 
 @dataclass
@@ -88,6 +94,9 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler()
+        # Guided decoding's matchers; the engine gives them the tokenizer (which the runner does not
+        # know). Without one, every guided request finishes with "grammar_error".
+        self.guided = GuidedMatchers(None, 0)
         self.requests: dict[str, RunnerRequestState] = {}
         self._pending: LaunchedStep | None = None  # the last step launched and not yet collected
 
@@ -130,6 +139,10 @@ class ModelRunner:
             if state is not None and index < len(state.token_ids) and state.token_ids[index] == PLACEHOLDER:
                 state.token_ids[index] = token_id
             result.sampled_token_ids[request_id] = token_id
+            # Preempted since (no state) or not, the request keeps this token: so does its grammar.
+            reason = self.guided.consume(request_id, token_id) if request_id in self.guided else None
+            if reason is not None:
+                result.finish_reasons[request_id] = reason
         if step.logprobs is not None:
             logprobs = step.logprobs.replace_tensors([next(host) for _ in step.logprobs.tensors()]).to_list()
             for row, logprob in zip(step.logprob_rows, logprobs, strict=True):
@@ -144,10 +157,12 @@ class ModelRunner:
         return result
 
     def _needs_known_tokens(self, out: SchedulerOutput) -> bool:
-        """A request with penalties reads its whole output: its tokens in flight must be known first."""
+        """A request with penalties reads its whole output, a guided one's mask follows its last
+        token: their tokens in flight must be known first."""
         pending = set(self._pending.sampled_request_ids)
         return any(
             self.requests[request_id].params.needs_penalties
+            or self.requests[request_id].params.guided is not None
             for request_id in out.num_scheduled_tokens
             if request_id in pending
         )
@@ -155,6 +170,8 @@ class ModelRunner:
     def _update_states(self, out: SchedulerOutput) -> None:
         for request_id in out.finished_request_ids | out.preempted_request_ids:
             self.requests.pop(request_id, None)
+        for request_id in out.finished_request_ids - out.preempted_request_ids:
+            self.guided.remove(request_id)  # a preempted request keeps its matcher
         for new in out.scheduled_new_requests:
             self.requests[new.request_id] = RunnerRequestState(
                 list(new.token_ids),
@@ -163,6 +180,9 @@ class ModelRunner:
                 new.num_computed_tokens,
                 new.sampling_params,
             )
+            if new.sampling_params.guided is not None:
+                output = new.token_ids[new.num_prompt_tokens :]
+                self.guided.add(new.request_id, new.sampling_params.guided, output)
         for cached in out.scheduled_cached_requests:
             state = self.requests[cached.request_id]
             state.block_ids.extend(cached.new_block_ids)
@@ -261,7 +281,8 @@ class ModelRunner:
         if not request_ids:
             return LaunchedStep([])
         rows = [self._sampling_row(self.requests[r]) for r in request_ids]
-        sampled = self.sampler(logits, rows)
+        mask = self.guided.mask(request_ids, logits) if len(self.guided) else None
+        sampled = self.sampler(logits, rows, mask)
         step = LaunchedStep(request_ids, sampled.token_ids, logprob_rows=sampled.logprob_rows)
         step.logprobs = sampled.logprob_tensors
         for request_id in request_ids:

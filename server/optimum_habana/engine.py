@@ -106,6 +106,10 @@ class StaticBatchEngine:
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         validate_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
+        if params.guided is not None:
+            raise InvalidRequestError(
+                "guided decoding is not supported by the optimum-habana fallback engine"
+            )
         request = Request(request_id, prompt_token_ids, params, self.eos_token_ids)
         self._requests[request_id] = request
         self.waiting.append(request)

@@ -18,7 +18,8 @@ class TokenLogprob:
 class RequestOutput:
     """A delta: the tokens a request gained in one step (usually one), and whether it has finished.
 
-    finish_reason is None while running, else "length", "eos_token", "stop_sequence" or "abort".
+    finish_reason is None while running, else "length", "eos_token", "stop_sequence", "abort" or
+    "grammar_error" (a guided request whose grammar failed in the engine).
     prompt_logprobs, when the request asked for them, comes once, with its first token: one entry
     per prompt token, None for the first. scheduled_at is when the engine first scheduled the
     request, on `time.monotonic()`'s clock, which every process of the host shares: the router

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 
@@ -31,6 +32,42 @@ def _check(condition: bool, message: str) -> None:
         raise InvalidRequestError(message)
 
 
+# What a guided request's output must be: any JSON object, JSON following a schema, or text matching
+# a regular expression (the whole output, as TGI's and vLLM's regex grammars match).
+GUIDED_KINDS = ("json_object", "json_schema", "regex")
+
+
+@dataclass(frozen=True)
+class GuidedDecoding:
+    """A grammar the output must follow: `kind` one of GUIDED_KINDS, `text` the JSON schema (as
+    JSON text) or the regular expression; json_object needs none.
+
+    These checks are structural and cheap (they run again wherever the parameters are decoded or
+    copied); whether the grammar compiles is `protocol.grammar.check_grammar`'s question.
+    """
+
+    kind: str
+    text: str = ""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.kind in GUIDED_KINDS,
+            f"guided decoding kind must be one of {GUIDED_KINDS}, got {self.kind!r}",
+        )
+        _check(isinstance(self.text, str), "the guided decoding grammar must be a string")
+        if self.kind == "regex":
+            _check(bool(self.text), "the regular expression is empty")
+        if self.kind == "json_schema":
+            try:
+                schema = json.loads(self.text)
+            except ValueError as exc:
+                raise InvalidRequestError(f"the JSON schema is not valid JSON: {exc}") from exc
+            _check(
+                isinstance(schema, (dict, bool)),
+                f"a JSON schema is an object or a boolean, got {type(schema).__name__}",
+            )
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
@@ -40,6 +77,9 @@ class SamplingParams:
     `prompt_logprobs=n` does the same for every prompt token after the first (the first has no
     context to be predicted from); such a request computes its whole prompt, bypassing the prefix cache.
     Log-probabilities are those of the model's own distribution, before any penalty or warper.
+    `guided` restricts every token to those its grammar allows (None: unrestricted); a request whose
+    grammar is complete finishes with "eos_token", one whose grammar allows no token at all with
+    "grammar_error".
     """
 
     max_new_tokens: int = 16
@@ -58,6 +98,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
+    guided: GuidedDecoding | None = None
 
     def __post_init__(self) -> None:
         _check(

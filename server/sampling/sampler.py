@@ -1,6 +1,7 @@
 """Turns a step's last-position logits into next tokens, one row per request.
 
-The order of operations is transformers' `generate`: logit bias, repetition penalty, then (OpenAI's)
+Guided rows first lose every token their grammar disallows (`guided.TokenMask`: -inf). Then the
+order of operations is transformers' `generate`: logit bias, repetition penalty, then (OpenAI's)
 frequency and presence penalties; greedy rows take the argmax there. Sampling rows go on through
 temperature, top-k, top-p, min-p and typical-p (transformers' warper order, min-p before typical-p)
 and draw with an exponential race, argmax(p / E) with E ~ Exp(1), which picks token i with
@@ -21,6 +22,7 @@ from tgserve.kernels import dispatch
 from tgserve.server.device.transfer import pinned_to, to_device
 from tgserve.server.protocol.outputs import TokenLogprob
 from tgserve.server.protocol.params import SamplingParams
+from tgserve.server.sampling.guided import TokenMask, apply_token_mask
 
 _MASK64 = (1 << 64) - 1
 _NEG_INF = float("-inf")
@@ -266,12 +268,17 @@ class Sampler:
     def __init__(self) -> None:
         self._generators: dict[torch.device, torch.Generator] = {}
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
-        """logits: [B, V], any float dtype; rows: B rows in the same order."""
-        if all(_only_argmax(r.params) for r in rows):
+    def __call__(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], mask: TokenMask | None = None
+    ) -> SamplerOutput:
+        """logits: [B, V], any float dtype; rows: B rows in the same order; mask: the allowed
+        tokens of the guided rows (log-probabilities stay those of the unmasked logits)."""
+        if mask is None and all(_only_argmax(r.params) for r in rows):
             return SamplerOutput(dispatch.argmax(logits), [], None)
         # A copy, because .float() of float32 logits would alias (and let us mutate) the caller's tensor.
         x = logits.to(torch.float32, copy=True)
+        if mask is not None:
+            x = apply_token_mask(x, mask)
         x = apply_penalties(apply_logit_bias(x, rows), rows)
         token_ids = dispatch.argmax(x)
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]

@@ -108,11 +108,11 @@ def penalties_see_every_token(engine: LLMEngine) -> None:
     """Fails the run if the sampler is handed a penalised row whose output has a token in flight."""
     sample = engine.runner.sampler.__call__
 
-    def checked(logits, rows):
+    def checked(logits, rows, mask=None):
         for row in rows:
             assert PLACEHOLDER not in row.output_token_ids, "penalties applied without the last token"
         penalised[0] += sum(bool(row.output_token_ids) for row in rows)
-        return sample(logits, rows)
+        return sample(logits, rows, mask)
 
     penalised = engine.penalised_rows = [0]
     engine.runner.sampler = checked

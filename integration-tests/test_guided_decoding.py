@@ -1,0 +1,129 @@
+"""Structured output through the real server and SmolLM2: OpenAI's `response_format` with the
+official client (streamed and not, the same text for a seed), TGI's `grammar`, and the 4xx a
+grammar that cannot be used gets."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "country": {"enum": ["France", "Germany", "Italy"]},
+        "landmarks": {
+            "type": "array",
+            "items": {"type": "string", "maxLength": 24},
+            "minItems": 1,
+            "maxItems": 2,
+        },
+    },
+    "required": ["city", "country", "landmarks"],
+    "additionalProperties": False,
+}
+MESSAGES = [{"role": "user", "content": "Name a European capital and two of its landmarks, as JSON."}]
+RESPONSE_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {"name": "capital", "schema": SCHEMA, "strict": True},
+}
+
+
+@pytest.fixture(scope="module")
+def client(smol_server):
+    return openai.OpenAI(base_url=f"{smol_server.url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_json_schema_streamed_and_not_give_the_same_valid_text(client, seed):
+    args = dict(model="default", messages=MESSAGES, max_tokens=100, temperature=0.9, seed=seed)
+    whole = client.chat.completions.create(response_format=RESPONSE_FORMAT, **args)
+    text = whole.choices[0].message.content
+    assert whole.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(text), SCHEMA)
+    stream = client.chat.completions.create(response_format=RESPONSE_FORMAT, stream=True, **args)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
+
+
+def test_the_client_parses_into_a_pydantic_model(client):
+    class Answer(BaseModel):
+        capital: str
+        population_millions: int
+
+    completion = client.chat.completions.parse(
+        model="default",
+        messages=[{"role": "user", "content": "What is the capital of France? Reply as JSON."}],
+        response_format=Answer,
+        max_tokens=60,
+        temperature=0,
+    )
+    answer = completion.choices[0].message.parsed
+    assert isinstance(answer, Answer) and answer.capital
+
+
+def test_json_object_on_completions(client):
+    completion = client.completions.create(
+        model="default",
+        prompt='A cat as JSON: {"name": "Tom", "age": 3}\nA dog as JSON:',
+        max_tokens=60,
+        temperature=0,
+        extra_body={"response_format": {"type": "json_object"}},
+    )
+    assert completion.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(completion.choices[0].text), dict)
+
+
+def test_an_unusable_schema_is_a_400_that_names_it(client):
+    bad = {
+        "type": "json_schema",
+        "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}},
+    }
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="default", messages=MESSAGES, response_format=bad, max_tokens=4)
+    assert "uniqueItems" in caught.value.message and caught.value.body["param"] == "response_format"
+
+
+def tgi(server, path: str, grammar: dict, **parameters) -> httpx.Response:
+    body = {"inputs": "The date of the first moon landing:", "parameters": {"grammar": grammar, **parameters}}
+    return httpx.post(f"{server.url}{path}", json=body, timeout=120)
+
+
+DATE = r"(19|20)\d{2}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"
+
+
+def test_tgi_regex_grammar_on_generate_and_post_root(smol_server):
+    response = tgi(smol_server, "/generate", {"type": "regex", "value": DATE}, max_new_tokens=16)
+    assert response.status_code == 200, response.text
+    assert re.fullmatch(DATE, response.json()["generated_text"])
+    response = tgi(
+        smol_server, "/", {"type": "regex", "value": DATE}, max_new_tokens=16, return_full_text=False
+    )
+    assert response.status_code == 200, response.text
+    assert re.fullmatch(DATE, response.json()[0]["generated_text"])
+
+
+def test_tgi_json_grammar_streamed(smol_server):
+    schema = {
+        "type": "object",
+        "properties": {"year": {"type": "integer"}},
+        "required": ["year"],
+        "additionalProperties": False,
+    }
+    grammar = {"type": "json", "value": schema}
+    response = tgi(smol_server, "/generate_stream", grammar, max_new_tokens=24, details=True)
+    assert response.status_code == 200, response.text
+    events = [json.loads(line[5:]) for line in response.text.splitlines() if line.startswith("data:")]
+    jsonschema.validate(json.loads(events[-1]["generated_text"]), schema)
+    assert events[-1]["details"]["finish_reason"] == "eos_token"
+
+
+def test_tgi_bad_regex_is_a_422(smol_server):
+    response = tgi(smol_server, "/generate", {"type": "regex", "value": "(("}, max_new_tokens=4)
+    assert response.status_code == 422
+    assert "regular expression" in response.json()["error"] and response.json()["error_type"] == "validation"

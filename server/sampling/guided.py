@@ -1,0 +1,208 @@
+"""Guided decoding on the engine side: an llguidance matcher per guided request, and each step's
+token masks for the rows of those requests.
+
+Before sampling, every guided row gets a bitmask of the tokens its grammar allows next (llguidance
+fills them on the host, into one array per step, through its own thread pool: tens of microseconds a
+row for a JSON schema); the sampler turns disallowed tokens' logits into -inf before any penalty,
+warper or greedy pick. When the step's tokens are read, each matcher consumes its request's token,
+and a request whose grammar is complete finishes ("eos_token"), as does one whose matcher is in
+error: its grammar failed to compile, or it allows no token ("grammar_error"; such a row's mask
+lets only the end-of-sequence tokens through, so its last token is one of those).
+
+In this first version the masks are computed synchronously, between the forward and sampling, and a
+step that samples a guided request waits for that request's previous token first (as penalties do):
+with async scheduling, batches with guided requests lose the overlap of host and device. Computing
+the masks on a worker thread beside the device step is the next step.
+
+A preempted request keeps its matcher, which still consumes the token that was in flight when it
+was preempted (the scheduler keeps that token too), so a grammar completed by it ends the request
+then. Should the matcher not match the tokens a request comes back with, it is built again from
+them. Requests without a grammar never reach this module, so unguided batches pay nothing and
+sample exactly as before.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from tgserve.server.core.request import FinishReason
+from tgserve.server.device.transfer import pinned_to, to_device
+from tgserve.server.protocol.grammar import grammar_text
+from tgserve.server.protocol.params import GuidedDecoding
+
+logger = logging.getLogger(__name__)
+
+# Returns the HF tokenizer and the model's end-of-sequence ids; called once, for the first guided request.
+TokenizerLoader = Callable[[], tuple[Any, Iterable[int]]]
+
+
+@dataclass
+class TokenMask:
+    """The allowed tokens of the batch rows `rows`: `bits` [len(rows), ceil(V / 32)] int32, on the
+    logits' device, bit j of word w allowing token 32 w + j (llguidance's layout)."""
+
+    rows: list[int]
+    bits: torch.Tensor
+
+
+def allowed_tokens(bits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[n, vocab] bool from packed bits; tokens past the mask's width (padded lm_heads) are not allowed."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
+    allowed = ((bits[:, :, None] >> shifts) & 1).bool().reshape(bits.shape[0], -1)
+    if allowed.shape[1] >= vocab:
+        return allowed[:, :vocab]
+    return torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+
+
+def apply_token_mask(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:
+    """Logits with every token the mask disallows at -inf, in place (the sampler's own copy); rows
+    without a grammar are untouched."""
+    disallowed = ~allowed_tokens(mask.bits, logits.shape[-1])
+    if len(mask.rows) == logits.shape[0]:
+        return logits.masked_fill_(disallowed, float("-inf"))
+    index = to_device(mask.rows, torch.int64, logits.device)
+    logits[index] = logits[index].masked_fill(disallowed, float("-inf"))
+    return logits
+
+
+@dataclass
+class _Guided:
+    """One request's matcher (None when it could not be built), and how many output tokens it has consumed."""
+
+    matcher: Any | None
+    num_consumed: int = 0
+    error: str = ""
+
+    def failed(self) -> bool:
+        if self.matcher is not None and not self.error and self.matcher.is_error():
+            self.error = self.matcher.get_error()
+        return bool(self.error)
+
+
+class GuidedMatchers:
+    """The guided requests of one runner: their matchers, each step's masks, the tokens they consume.
+
+    Nothing here raises for a request's grammar: a grammar that does not compile (or llguidance
+    missing) makes a matcher in error, which finishes its request and no other.
+    """
+
+    def __init__(self, load_tokenizer: TokenizerLoader | None, vocab_size: int) -> None:
+        self._load_tokenizer = load_tokenizer
+        self._vocab_size = vocab_size
+        self._tokenizer: Any | None = None  # llguidance's LLTokenizer, built on first use (~0.3 s)
+        self._tokenizer_error: Exception | None = None  # why it could not be built: not tried again
+        self._eos_ids: list[int] = []
+        self._executor: Any | None = None
+        self._requests: dict[str, _Guided] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def add(self, request_id: str, spec: GuidedDecoding, output_token_ids: Sequence[int] = ()) -> None:
+        """Build the request's matcher and let it consume the output the request already has; a
+        preempted request coming back keeps the matcher it has when that one has seen its output."""
+        kept = self._requests.get(request_id)
+        if kept is not None and kept.num_consumed == len(output_token_ids):
+            return
+        try:
+            import llguidance
+
+            matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar_text(spec), log_level=0)
+        except Exception as exc:  # ImportError, a tokenizer llguidance cannot read, a bad grammar
+            self._requests[request_id] = _Guided(None, error=f"{type(exc).__name__}: {exc}")
+            logger.warning("request %s: no grammar matcher: %s", request_id, exc)
+            return
+        guided = self._requests[request_id] = _Guided(matcher)
+        if output_token_ids and matcher.consume_tokens(list(output_token_ids)):
+            guided.num_consumed = len(output_token_ids)
+
+    def remove(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def _llg_tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            if self._tokenizer_error is not None:
+                raise self._tokenizer_error
+            try:
+                self._tokenizer = self._build_tokenizer()
+            except Exception as exc:
+                self._tokenizer_error = exc
+                raise
+        return self._tokenizer
+
+    def _build_tokenizer(self) -> Any:
+        import llguidance
+        import llguidance.hf
+
+        if self._load_tokenizer is None:
+            raise RuntimeError("this engine was built without a tokenizer for guided decoding")
+        hf_tokenizer, eos_ids = self._load_tokenizer()
+        self._eos_ids = sorted(eos_ids)
+        # The mask covers the model's vocabulary (logits columns), or the tokenizer's where it is larger.
+        n_vocab = max(self._vocab_size, len(hf_tokenizer))
+        tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab, self._eos_ids or None)
+        self._executor = llguidance.LLExecutor()
+        return tokenizer
+
+    def mask(self, request_ids: Sequence[str], logits: torch.Tensor) -> TokenMask | None:
+        """The masks of the guided requests among a step's sampled rows (`request_ids`, the rows
+        of `logits`), or None when there are none."""
+        rows = [i for i, request_id in enumerate(request_ids) if request_id in self._requests]
+        if not rows:
+            return None
+        # llguidance's width once it has a tokenizer (the larger of the model's and the tokenizer's).
+        vocab = self._tokenizer.vocab_size if self._tokenizer is not None else logits.shape[-1]
+        width = (vocab + 31) // 32
+        bits = np.zeros((len(rows), width), dtype=np.int32)
+        working = []
+        for k, row in enumerate(rows):
+            guided = self._requests[request_ids[row]]
+            if guided.failed():
+                self._allow_only_eos(bits[k])
+            else:
+                working.append((guided.matcher, k))
+        if working:
+            import llguidance.numpy
+
+            llguidance.numpy.fill_next_token_bitmask_par(self._executor, working, bits)
+            for _, k in working:
+                if not bits[k].any():  # nothing allowed: end the request on an end-of-sequence token
+                    self._allow_only_eos(bits[k])
+        return TokenMask(rows, pinned_to(torch.from_numpy(bits), logits.device))
+
+    def _allow_only_eos(self, row: np.ndarray) -> None:
+        if not self._eos_ids:  # no tokenizer, so no known end token: one free token, then the end
+            row[:] = -1
+            return
+        words = row.view(np.uint32)
+        words[:] = 0
+        for token_id in self._eos_ids:
+            words[token_id // 32] |= np.uint32(1 << (token_id % 32))
+
+    def consume(self, request_id: str, token_id: int) -> FinishReason | None:
+        """The request's next output token is `token_id` (each step's tokens are read once):
+        advance its matcher, and say whether the request ends here (grammar complete, or the
+        matcher in error)."""
+        guided = self._requests.get(request_id)
+        if guided is None:
+            return None
+        if guided.failed():
+            return self._failed(request_id, guided)
+        guided.num_consumed += 1
+        if not guided.matcher.consume_token(token_id):
+            return self._failed(request_id, guided)
+        return FinishReason.EOS_TOKEN if guided.matcher.is_stopped() else None
+
+    def _failed(self, request_id: str, guided: _Guided) -> FinishReason:
+        guided.failed()
+        logger.warning("request %s ends with grammar_error: %s", request_id, guided.error.strip())
+        return FinishReason.GRAMMAR_ERROR

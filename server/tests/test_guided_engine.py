@@ -1,0 +1,162 @@
+"""Guided decoding through the engine on the tiny random Llama: under chunked prefill, preemption,
+prefix caching and async scheduling, guided outputs follow their grammar, and unguided requests
+get the tokens they get without guided neighbours.
+
+Random weights ramble, so the grammars here are bounded (the output has a longest form); what real
+text looks like under a JSON schema is test_guided_smollm2.py's question.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+
+import pytest
+
+from tgserve.server.config.engine_args import EngineArgs
+from tgserve.server.core.request import Request
+from tgserve.server.engine.llm_engine import LLMEngine
+from tgserve.server.protocol.params import GuidedDecoding, InvalidRequestError, SamplingParams
+from tgserve.server.testing.fixtures import fixture_path
+
+PROMPTS = [list(range(5 + i, 5 + i + n)) for i, n in enumerate((40, 9, 23, 17, 12, 30, 8, 14, 6, 50))]
+PROMPTS[8] = PROMPTS[0][:32] + [99, 98]  # hits the first prompt's cached blocks
+ARRIVALS = [0, 0, 0, 1, 1, 2, 2, 3, 12, 4]
+# Compact JSON (llguidance's option), so that a rambling model still closes the object in time.
+SCHEMA = {
+    "type": "object",
+    "properties": {"k": {"enum": ["red", "blue"]}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["k", "n"],
+    "additionalProperties": False,
+    "x-guidance": {"whitespace_flexible": False},
+}
+REGEXES = {
+    "r1": r"[a-z]{2,6}",
+    "r4": r"(yes|no|maybe)",
+    "r6": r"\d{1,3}(\.\d{1,2})?",
+    "r8": r"[A-Z][a-z]{0,4}",
+}
+SAMPLED = dict(temperature=0.9, top_k=50, ignore_eos=True)
+
+
+def guided_params() -> dict[str, SamplingParams]:
+    params = {
+        request_id: SamplingParams(
+            max_new_tokens=24, seed=i, guided=GuidedDecoding("regex", regex), **SAMPLED
+        )
+        for i, (request_id, regex) in enumerate(REGEXES.items())
+    }
+    params["r3"] = SamplingParams(
+        temperature=0.0, max_new_tokens=40, guided=GuidedDecoding("json_schema", json.dumps(SCHEMA))
+    )
+    return params
+
+
+def unguided_params() -> dict[str, SamplingParams]:
+    return {
+        "r0": SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True),
+        "r2": SamplingParams(max_new_tokens=10, seed=7, **SAMPLED),
+        "r5": SamplingParams(temperature=0.0, max_new_tokens=10, repetition_penalty=1.3),
+        "r7": SamplingParams(max_new_tokens=14, seed=3, presence_penalty=0.5, **SAMPLED),
+        "r9": SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True, logprobs=2),
+    }
+
+
+@dataclass
+class Seen:
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+def make_engine(async_scheduling: bool) -> LLMEngine:
+    return LLMEngine(
+        EngineArgs(
+            model=str(fixture_path("llama")),
+            dtype="float32",
+            max_num_batched_tokens=32,
+            block_size=8,
+            num_blocks=20,
+            async_scheduling=async_scheduling,
+        )
+    )
+
+
+def serve(engine: LLMEngine, params: dict[str, SamplingParams]) -> dict[str, Seen]:
+    seen = {request_id: Seen() for request_id in params}
+    for step in range(1000):
+        for i, arrival in enumerate(ARRIVALS):
+            if arrival == step and f"r{i}" in params:
+                engine.add_request(f"r{i}", PROMPTS[i], params[f"r{i}"])
+        if step > max(ARRIVALS) and not engine.needs_step():
+            return seen
+        for out in engine.step():
+            seen[out.request_id].tokens += out.new_token_ids
+            seen[out.request_id].finish_reason = out.finish_reason
+    raise AssertionError("the workload did not finish")
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, tuple[dict[str, Seen], LLMEngine]]:
+    results = {}
+    for name, async_scheduling, params in (
+        ("alone", False, unguided_params()),
+        ("mixed", False, {**unguided_params(), **guided_params()}),
+        ("mixed_async", True, {**unguided_params(), **guided_params()}),
+    ):
+        engine = make_engine(async_scheduling)
+        results[name] = serve(engine, params), engine
+    return results
+
+
+def text(engine: LLMEngine, tokens: list[int]) -> str:
+    return engine.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def test_guided_outputs_follow_their_grammar(runs) -> None:
+    seen, engine = runs["mixed"]
+    assert engine.scheduler.num_preemptions > 0, "the workload should preempt"
+    for request_id, regex in REGEXES.items():
+        got = seen[request_id]
+        assert got.finish_reason == "eos_token", (request_id, got)
+        assert re.fullmatch(regex, text(engine, got.tokens)), (request_id, text(engine, got.tokens))
+    value = json.loads(text(engine, seen["r3"].tokens))
+    assert value["k"] in ("red", "blue") and 0 <= value["n"] <= 99 and set(value) == {"k", "n"}
+
+
+def test_unguided_requests_get_the_tokens_they_get_without_guided_ones(runs) -> None:
+    alone, mixed = runs["alone"][0], runs["mixed"][0]
+    for request_id in unguided_params():
+        assert mixed[request_id].tokens == alone[request_id].tokens, request_id
+        assert mixed[request_id].finish_reason == alone[request_id].finish_reason, request_id
+
+
+def test_async_scheduling_gives_every_request_the_same_tokens(runs) -> None:
+    synchronous, overlapped = runs["mixed"][0], runs["mixed_async"][0]
+    for request_id, expected in synchronous.items():
+        got = overlapped[request_id]
+        assert (got.tokens, got.finish_reason) == (expected.tokens, expected.finish_reason), request_id
+
+
+def test_nothing_is_left_behind(runs) -> None:
+    for _, engine in runs.values():
+        assert not engine.needs_step() and engine.runner.requests == {} and len(engine.runner.guided) == 0
+
+
+def test_a_grammar_that_fails_ends_its_request_and_no_other() -> None:
+    engine = make_engine(False)
+    with pytest.raises(InvalidRequestError, match="regular expression"):
+        engine.add_request("refused", [5, 6, 7], SamplingParams(guided=GuidedDecoding("regex", "((")))
+    # Past the check (as if it compiled there but not here): the loop must survive it.
+    bad = SamplingParams(temperature=0.0, max_new_tokens=8, guided=GuidedDecoding("regex", "(("))
+    engine.scheduler.add_request(Request("bad", [5, 6, 7], bad, engine.eos_token_ids))
+    good = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+    engine.add_request("good", [5, 6, 7], good)
+    seen = {"bad": Seen(), "good": Seen()}
+    while engine.needs_step():
+        for out in engine.step():
+            seen[out.request_id].tokens += out.new_token_ids
+            seen[out.request_id].finish_reason = out.finish_reason
+    assert seen["bad"].finish_reason == "grammar_error"
+    assert len(seen["bad"].tokens) == 1 and seen["bad"].tokens[0] in engine.eos_token_ids
+    assert seen["good"].finish_reason == "length" and len(seen["good"].tokens) == 8
