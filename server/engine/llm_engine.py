@@ -81,11 +81,18 @@ class LLMEngine:
             seconds = warm_up(self, self.num_blocks, self.shard.backend.whole_prompt_tokens)
             logger.info("warm-up requests took %.2f s", seconds)
         logger.info(
-            "engine ready: %s, %d KV blocks of %d tokens",
+            "engine ready: %s, %d KV blocks of %d tokens in %s: the longest servable context is %d tokens",
             self.source.display_name,
             self.num_blocks,
             args.block_size,
+            self.kv_cache_dtype_name,
+            min(self.max_model_len, self.num_blocks * args.block_size),
         )
+
+    @property
+    def kv_cache_dtype_name(self) -> str:
+        """What the KV cache stores, as torch names it (float8_e4m3fn, bfloat16, ...)."""
+        return str(self.shard.specs[0].dtype).removeprefix("torch.")
 
     def _join_shards(self) -> tuple[TensorParallel, list]:
         """With several shards: start ranks 1..N-1 and join their process group as rank 0."""
@@ -138,7 +145,8 @@ class LLMEngine:
         capacity = self.num_blocks * self.args.block_size
         if len(prompt) + 1 > capacity:
             raise InvalidRequestError(
-                f"prompt has {len(prompt)} tokens but the KV cache holds at most {capacity} tokens"
+                f"prompt has {len(prompt)} tokens but the KV cache holds at most {capacity} tokens "
+                f"({self.kv_cache_dtype_name}; --kv-cache-dtype fp8 holds about twice those of bf16)"
             )
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:

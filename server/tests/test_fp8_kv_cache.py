@@ -49,6 +49,16 @@ def test_an_unknown_name_fails_before_the_weights_load() -> None:
         LLMEngine(EngineArgs(model=str(fixture_path("llama")), device="cpu", kv_cache_dtype="fp16"))
 
 
+def test_a_prompt_past_the_pool_is_refused_naming_the_cache_dtype() -> None:
+    from tgserve.server.protocol.params import InvalidRequestError, SamplingParams
+
+    engine = LLMEngine(EngineArgs(model=str(fixture_path("llama")), device="cpu", dtype="float32",
+                                  kv_cache_dtype="fp8", num_blocks=2, block_size=8))  # fmt: skip
+    assert engine.kv_cache_dtype_name == "float8_e4m3fn"
+    with pytest.raises(InvalidRequestError, match=r"holds at most 16 tokens \(float8_e4m3fn"):
+        engine.add_request("long", list(range(5, 25)), SamplingParams(max_new_tokens=1))
+
+
 def test_the_same_memory_holds_twice_the_tokens_less_the_scales() -> None:
     """A bf16 model: 2 bytes an element against 1, plus 4 bytes a row of head_dim elements."""
     blocks = {}
