@@ -65,7 +65,7 @@ def _decode_kernel(
     stride_c_block,
     stride_c_off,
     stride_c_head,
-    stride_s_block,
+    num_kv_heads,
     stride_bt,
     group,
     head_dim,
@@ -114,7 +114,7 @@ def _decode_kernel(
     if WRITE:
         _store_step_kv(new_k_ptr, new_v_ptr, slot_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, seq, kv_head, q_pos, lo, hi,
                        dims, dim_ok, stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_c_block, stride_c_off,
-                       stride_c_head, stride_s_block, BLOCK_SIZE, SCALED)  # fmt: skip
+                       stride_c_head, num_kv_heads, BLOCK_SIZE, SCALED)  # fmt: skip
 
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
@@ -134,7 +134,8 @@ def _decode_kernel(
         k = tl.load(k_ptr + base[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + base[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         if SCALED:  # fp8 in the cache, one float32 scale a (token, KV head): dequantized in registers
-            scale_at = page * stride_s_block + (pos % BLOCK_SIZE) * (stride_s_block // BLOCK_SIZE) + kv_head
+            # The scales are contiguous: a slot's row of KV heads at slot * num_kv_heads.
+            scale_at = (page * BLOCK_SIZE + pos % BLOCK_SIZE) * num_kv_heads + kv_head
             k_scale = tl.load(ks_ptr + scale_at, mask=in_ctx, other=0.0)
             v_scale = tl.load(vs_ptr + scale_at, mask=in_ctx, other=0.0)
             k = (k.to(tl.float32) * k_scale[:, None]).to(q.dtype)
@@ -175,7 +176,7 @@ def _decode_kernel(
 @triton.jit
 def _store_step_kv(new_k_ptr, new_v_ptr, slot_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, seq, kv_head, q_pos, lo, hi, dims,
                    dim_ok, stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_c_block, stride_c_off,
-                   stride_c_head, stride_s_block, BLOCK_SIZE: tl.constexpr, SCALED: tl.constexpr):  # fmt: skip
+                   stride_c_head, num_kv_heads, BLOCK_SIZE: tl.constexpr, SCALED: tl.constexpr):  # fmt: skip
     """This step's key and value of one (sequence, KV head) into the cache, in place of a launch of
     their own: the program whose context range holds the query's position stores them and then
     reads them back with its tiles; no other program reads that position. Slot -1 (padding) is
@@ -195,11 +196,9 @@ def _store_step_kv(new_k_ptr, new_v_ptr, slot_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
             k_rows, k_scale = e4m3_rows(k.to(tl.float32)[None, :])
             v_rows, v_scale = e4m3_rows(v.to(tl.float32)[None, :])
             one = tl.arange(0, 1)
-            scale_at = (slot // BLOCK_SIZE) * stride_s_block + (slot % BLOCK_SIZE) * (
-                stride_s_block // BLOCK_SIZE
-            )
-            tl.store(ks_ptr + scale_at + kv_head + one, k_scale)
-            tl.store(vs_ptr + scale_at + kv_head + one, v_scale)
+            scale_at = slot * num_kv_heads + kv_head
+            tl.store(ks_ptr + scale_at + one, k_scale)
+            tl.store(vs_ptr + scale_at + one, v_scale)
             k, v = tl.reshape(k_rows, (k.shape[0],)), tl.reshape(v_rows, (v.shape[0],))
         tl.store(k_ptr + dst + dims, k.to(k_ptr.dtype.element_ty), mask=dim_ok)
         tl.store(v_ptr + dst + dims, v.to(v_ptr.dtype.element_ty), mask=dim_ok)
@@ -356,7 +355,7 @@ def paged_decode(
         new_k, new_v, slots, new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
         scale, softcap or 0.0, sliding_window or 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_size * num_kv_heads,
+        kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), num_kv_heads,
         block_tables.stride(0),
         group, head_dim, splits,
         BLOCK_SIZE=block_size, BLOCK_G=pow2(group), BLOCK_D=block_d, BLOCK_N=block_n,

@@ -44,7 +44,7 @@ def _prefill_kernel(
     stride_ka,
     stride_kb,
     stride_kh,
-    stride_s_block,
+    num_kv_heads,
     stride_bt,
     group,
     head_dim,
@@ -104,9 +104,10 @@ def _prefill_kernel(
             k = tl.load(k_ptr + base[:, None] + dims[None, :], mask=kv_mask, other=0.0)
             v = tl.load(v_ptr + base[:, None] + dims[None, :], mask=kv_mask, other=0.0)
             if SCALED:  # an fp8 cache (paged only): each (token, KV head) row times its scale
-                scale_at = page * stride_s_block + (pos % BLOCK_SIZE) * (stride_s_block // BLOCK_SIZE)
-                k_scale = tl.load(ks_ptr + scale_at + kv_head, mask=in_ctx, other=0.0)
-                v_scale = tl.load(vs_ptr + scale_at + kv_head, mask=in_ctx, other=0.0)
+                # The scales are contiguous: a slot's row of KV heads at slot * num_kv_heads.
+                scale_at = (page * BLOCK_SIZE + pos % BLOCK_SIZE) * num_kv_heads + kv_head
+                k_scale = tl.load(ks_ptr + scale_at, mask=in_ctx, other=0.0)
+                v_scale = tl.load(vs_ptr + scale_at, mask=in_ctx, other=0.0)
                 k = (k.to(tl.float32) * k_scale[:, None]).to(q.dtype)
                 v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
             mask = (pos[None, :] <= q_pos[:, None]) & row_ok[:, None]
@@ -185,7 +186,7 @@ def _launch(
     _prefill_kernel[(grid, num_kv_heads)](
         query, key, value, *scales, out, table, query_start_loc, seq_lens, tile_seq, cu_tiles,
         scale, softcap or 0.0, sliding_window or 0,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1), *strides, block_size * num_kv_heads,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), *strides, num_kv_heads,
         table_stride,
         group, head_dim,
         PAGED=paged, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
