@@ -27,22 +27,10 @@ from tgserve.server.testing.agreement import (
     chat_prompts,
     count_agreeing,
     engine_greedy,
+    logit_gaps,
     summarise_gaps,
     whole_sequence_logits,
 )
-
-
-def largest_gap(logits: list[torch.Tensor], tokens: list[list[int]]) -> float:
-    gaps = [
-        (
-            rows.float().max(-1).values
-            - rows.float().gather(-1, torch.tensor(t, device=rows.device)[:, None])[:, 0]
-        )
-        .max()
-        .item()
-        for rows, t in zip(logits, tokens, strict=True)
-    ]
-    return max(gaps)
 
 
 def main() -> None:
@@ -71,7 +59,7 @@ def main() -> None:
                 logits = [whole_sequence_logits(model, p, t) for p, t in zip(prompts, tokens, strict=True)]
             picks = [r.argmax(-1).tolist() for r in logits]
             row = {"model_dtype": dtype, "kv_cache_dtype": kv, "agree": count_agreeing(picks, tokens),
-                   "steps": len(prompts) * args.steps, "largest_gap_logits": round(largest_gap(logits, tokens), 3),
+                   "steps": len(prompts) * args.steps, "largest_gap_logits": round(max(max(logit_gaps(r, t)) for r, t in zip(logits, tokens)), 3),
                    **summarise_gaps(logits, tokens)}  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)

@@ -101,12 +101,26 @@ def whole_sequence_picks(model: torch.nn.Module, prompt: list[int], tokens: list
     return whole_sequence_logits(model, prompt, tokens).argmax(-1).tolist()
 
 
+def _largest_and_picked(logits: torch.Tensor, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per step, in float32: the largest logit, and the logit of that step's token."""
+    top = logits.float().max(-1).values
+    picked = logits.float().gather(-1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0]
+    return top, picked
+
+
+def logit_gaps(logits: torch.Tensor, tokens: list[int]) -> list[float]:
+    """How far below each step's largest logit the logit of that step's token lies, in logit units
+    (0 where it is the largest): the measure for caches and formats whose error is not the logits'
+    rounding (an fp8 KV cache)."""
+    top, picked = _largest_and_picked(logits, tokens)
+    return (top - picked).tolist()
+
+
 def gaps_in_ulps(logits: torch.Tensor, tokens: list[int]) -> list[float]:
     """How far below each step's largest logit the logit of that step's token lies, in units of the
     logits' own rounding step at the largest (for bf16 logits of 16-32, 0.125). 0 where the token
     ties the largest; a disagreement of 1-2 units is a near-tie that rounding alone can flip."""
-    top = logits.float().max(-1).values
-    picked = logits.float().gather(-1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0]
+    top, picked = _largest_and_picked(logits, tokens)
     tiny = torch.finfo(logits.dtype).tiny
     spacing = torch.finfo(logits.dtype).eps * torch.exp2(torch.floor(torch.log2(top.abs().clamp(min=tiny))))
     return ((top - picked) / spacing).tolist()
