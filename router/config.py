@@ -10,7 +10,8 @@ class RouterConfig:
     """Limits checked on every request, each named after the launcher flag that sets it.
 
     max_input_tokens / max_total_tokens of None are derived from the engine's max_model_len once
-    it is known (`resolve`): total = max_model_len, input = total - 1.
+    it is known (`resolve`): total = max_model_len (or the longest context the KV pool holds, if
+    less), input = total - 1.
     """
 
     max_concurrent_requests: int = 128
@@ -28,9 +29,10 @@ class RouterConfig:
     cors_allow_origin: tuple[str, ...] = ()
     compute_type: str | None = None  # TGI's x-compute-type; the engine's device when None
 
-    def resolve(self, max_model_len: int) -> RouterConfig:
+    def resolve(self, max_model_len: int, max_servable_tokens: int | None = None) -> RouterConfig:
         """Fill the token limits from the engine and check them against each other."""
-        total = self.max_total_tokens if self.max_total_tokens is not None else max_model_len
+        servable = min(max_model_len, max_servable_tokens or max_model_len)
+        total = self.max_total_tokens if self.max_total_tokens is not None else servable
         inputs = self.max_input_tokens if self.max_input_tokens is not None else total - 1
         if total > max_model_len:
             raise ValueError(

@@ -51,6 +51,10 @@ async def info(request: Request) -> dict[str, Any]:
         "max_stop_sequences": config.max_stop_sequences,
         "max_input_tokens": config.input_limit,
         "max_total_tokens": config.total_limit,
+        # What the KV cache stores and the longest context it serves (the pool may hold less than
+        # the model's length): both depend on --kv-cache-dtype.
+        "kv_cache_dtype": state.engine.kv_cache_dtype or None,
+        "max_servable_tokens": state.engine.max_servable_tokens or state.engine.max_model_len,
         "max_client_batch_size": config.max_client_batch_size,
         "validation_workers": 1,
         "router": "tgserve",

@@ -118,7 +118,7 @@ def build_state(
 ) -> RouterState:
     tokenizer = RouterTokenizer.from_directory(ready.tokenizer_dir)
     tokenizer.warm_up_chat_template()
-    resolved = config.resolve(ready.max_model_len)
+    resolved = config.resolve(ready.max_model_len, ready.max_servable_tokens or None)
     metrics = RouterMetrics(lambda: (client.stats, ready.block_size))
     generator = Generator(client, tokenizer, metrics, Admission(resolved.max_concurrent_requests))
     return RouterState(

@@ -393,7 +393,8 @@ async def test_engine_death_ends_requests_with_errors(tokenizer_dir, tokenizer):
 
 async def test_service_routes(tokenizer_dir, tokenizer):
     _, http = build(tokenizer_dir, tokenizer)
-    assert (await http.get("/info")).json()["max_total_tokens"] == 256
+    info = (await http.get("/info")).json()
+    assert info["max_total_tokens"] == 256 and info["max_servable_tokens"] == 256 and "kv_cache_dtype" in info
     assert (await http.get("/v1/models")).json()["data"][0]["id"] == "tiny"
     tgi = (await http.post("/tokenize", json={"inputs": "Hello world"})).json()
     assert "".join(t["text"] for t in tgi) == "Hello world"

@@ -151,3 +151,11 @@ def test_warming_up_a_chat_template_that_refuses_a_lone_user_message(tokenizer) 
         strict.chat_prompt([{"role": "user", "content": "hi"}])
     assert strict.chat_prompt([{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]) == "hi"
     RouterTokenizer(tokenizer.tokenizer).warm_up_chat_template()  # no template: nothing to render
+
+
+def test_the_token_limits_default_to_what_the_kv_pool_holds_when_that_is_less() -> None:
+    assert RouterConfig().resolve(8192, 4096).total_limit == 4096  # the pool holds 4,096 tokens
+    assert RouterConfig().resolve(8192, 4096).input_limit == 4095
+    assert RouterConfig().resolve(8192, 100_000).total_limit == 8192  # the model's length
+    assert RouterConfig().resolve(8192).total_limit == 8192  # an engine that does not say
+    assert RouterConfig(max_total_tokens=6000).resolve(8192, 4096).total_limit == 6000  # as asked

@@ -27,6 +27,7 @@ class Engine(Protocol):
     tokenizer: Any  # the model's transformers tokenizer
     device: torch.device
     dtype: torch.dtype
+    kv_cache_dtype: torch.dtype  # what its KV cache stores (the model's dtype, or fp8)
     max_model_len: int
     vocab_size: int
     eos_token_ids: frozenset[int]

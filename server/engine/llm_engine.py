@@ -90,9 +90,13 @@ class LLMEngine:
         )
 
     @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        return self.shard.specs[0].dtype
+
+    @property
     def kv_cache_dtype_name(self) -> str:
         """What the KV cache stores, as torch names it (float8_e4m3fn, bfloat16, ...)."""
-        return str(self.shard.specs[0].dtype).removeprefix("torch.")
+        return str(self.kv_cache_dtype).removeprefix("torch.")
 
     def _join_shards(self) -> tuple[TensorParallel, list]:
         """With several shards: start ranks 1..N-1 and join their process group as rank 0."""

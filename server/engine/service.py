@@ -62,6 +62,7 @@ def save_tokenizer(engine: Engine, directory: str | None) -> str:
 def ready_message(engine: Engine, tokenizer_dir: str) -> p.EngineReady:
     """Describe the loaded engine to the router."""
     stats = engine.stats()
+    pool_tokens = int(stats.num_total_blocks) * int(engine.args.block_size)
     return p.EngineReady(
         model_id=str(engine.model_id),
         max_model_len=int(engine.max_model_len),
@@ -72,6 +73,8 @@ def ready_message(engine: Engine, tokenizer_dir: str) -> p.EngineReady:
         num_total_blocks=int(stats.num_total_blocks),
         block_size=int(engine.args.block_size),
         tokenizer_dir=tokenizer_dir,
+        kv_cache_dtype=str(engine.kv_cache_dtype).removeprefix("torch."),
+        max_servable_tokens=min(int(engine.max_model_len), pool_tokens),
     )
 
 

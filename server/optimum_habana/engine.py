@@ -96,6 +96,11 @@ class StaticBatchEngine:
             buckets or "their own lengths",
         )
 
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """The models' own static caches keep the model's dtype (--kv-cache-dtype fp8 is refused)."""
+        return self.dtype
+
     def close(self) -> None:
         """Nothing to stop: one process, one device. Idempotent."""
 

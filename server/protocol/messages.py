@@ -87,6 +87,10 @@ class EngineReady(msgspec.Struct, tag="ready"):
     num_total_blocks: int = 0
     block_size: int = 0
     tokenizer_dir: str = ""  # the engine's tokenizer, saved for the router to load
+    kv_cache_dtype: str = ""  # what the KV cache stores (bfloat16, float8_e4m3fn, ...)
+    # The longest context one request can have: the model's length, or what the KV pool holds if
+    # less (0: not said; the model's length).
+    max_servable_tokens: int = 0
 
 
 class StepOutputs(msgspec.Struct, tag="outputs"):

@@ -106,3 +106,14 @@ def test_fp8_cache_agrees_with_the_full_precision_cache_on_smollm2() -> None:
     print(f"fp8 KV on CPU: {agree}/{FP8_PROMPTS * FP8_STEPS} steps agree, largest gap {largest_gap:.3f}")
     assert largest_gap <= NEAR_TIE_LOGITS
     assert agree / (FP8_PROMPTS * FP8_STEPS) >= FP8_MIN_AGREEMENT
+
+
+def test_the_ready_message_names_the_kv_dtype_and_the_longest_servable_context(tmp_path) -> None:
+    """What the router's /info and its default limits read: a pool of 8 blocks of 8 holds 64 tokens."""
+    from tgserve.server.engine.service import ready_message
+
+    engine = LLMEngine(EngineArgs(model=str(fixture_path("llama")), device="cpu", dtype="float32",
+                                  kv_cache_dtype="fp8", block_size=8, num_blocks=8))  # fmt: skip
+    ready = ready_message(engine, str(tmp_path))
+    assert (ready.kv_cache_dtype, ready.max_servable_tokens) == ("float8_e4m3fn", 64)
+    assert ready.max_model_len > 64
