@@ -1,6 +1,9 @@
 """GPU benchmark (issue 34): one long context served end to end at Llama-3-8B's shape (dummy
-weights, bf16 model), per KV cache dtype: the pool, the time to the first token of a prompt that
-fills the context, and the decode step over it.
+weights, bf16 model), per KV cache dtype and decode attention budget: the pool, the time to the
+first token of a prompt that fills the context, and the decode step over it.
+
+A run is dtype:context[:budget]: budget 0 (the default) decodes densely, N selects N tokens of the
+context for each decode query (--decode-attention-budget, threshold 32K).
 
 Each (dtype, context) runs in its own process, so the GPU starts empty as a server's would. The
 model's context is stretched to each length (`max_position_embeddings`); the prompt is the context
@@ -31,7 +34,9 @@ from tgserve.server.protocol.params import SamplingParams  # noqa: E402
 GIB = 1 << 30
 
 
-def serve_one(context: int, kv_cache_dtype: str, new_tokens: int, layers: int, utilization: float) -> dict:
+def serve_one(
+    context: int, kv_cache_dtype: str, budget: int, new_tokens: int, layers: int, utilization: float
+) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
         engine = LLMEngine(
@@ -43,6 +48,7 @@ def serve_one(context: int, kv_cache_dtype: str, new_tokens: int, layers: int, u
                 gpu_memory_utilization=utilization,
                 enable_prefix_caching=False,
                 kv_cache_dtype=kv_cache_dtype,
+                decode_attention_budget=budget,
             )
         )
         startup = time.perf_counter() - start
@@ -60,6 +66,7 @@ def serve_one(context: int, kv_cache_dtype: str, new_tokens: int, layers: int, u
     return {
         "kv_cache_dtype": kv_cache_dtype,
         "context": context,
+        "decode_budget": budget,
         "pool_tokens": engine.num_blocks * engine.args.block_size,
         "prefilled_whole_from": engine.shard.whole_prompt_tokens,
         "ttft_s": round(stamps[0] - start, 2),
@@ -73,16 +80,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--runs", nargs="+", default=["auto:131072", "fp8:131072", "auto:524288", "fp8:524288",
-                                                       "fp8:1048576"], help="dtype:context pairs")  # fmt: skip
+    parser.add_argument("--runs", nargs="+", default=["auto:131072", "auto:131072:4096", "auto:524288",
+                                                       "auto:524288:4096", "fp8:1048576:4096"],
+                        help="dtype:context[:decode budget] (budget 0: dense decode)")  # fmt: skip
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        dtype, context = args.one.split(":")
-        result = serve_one(int(context), dtype, args.new_tokens, args.layers, args.gpu_memory_utilization)
+        dtype, context, budget = (args.one + ":0").split(":")[:3]
+        result = serve_one(
+            int(context), dtype, int(budget), args.new_tokens, args.layers, args.gpu_memory_utilization
+        )
         print(json.dumps(result), flush=True)
         return
     rows = []
@@ -93,11 +103,12 @@ def main() -> None:
             continue
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
         print(json.dumps(rows[-1]), flush=True)
-    print("| KV cache | context | pool tokens | prefilled whole from | TTFT s | decode ms/token | peak GiB |")
-    print("|---|---|---|---|---|---|---|")
+    print("| KV cache | context | decode budget | pool tokens | prefilled whole from | TTFT s | decode ms/token "
+          "| peak GiB |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['kv_cache_dtype']} | {r['context']:,} | {r['pool_tokens']:,} | {r['prefilled_whole_from']} | "
-              f"{r['ttft_s']} | {r['decode_ms']} | {r['peak_gib']} |")  # fmt: skip
+        print(f"| {r['kv_cache_dtype']} | {r['context']:,} | {r['decode_budget'] or 'dense'} | {r['pool_tokens']:,} | "
+              f"{r['prefilled_whole_from']} | {r['ttft_s']} | {r['decode_ms']} | {r['peak_gib']} |")  # fmt: skip
 
 
 if __name__ == "__main__":

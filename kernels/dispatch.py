@@ -5,7 +5,12 @@ importing this module never imports Triton (a CPU process, or a test run that mu
 TRITON_INTERPRET before the first @triton.jit, stays unaffected).
 
     write_kv          this step's keys/values into the paged cache (slot -1 skipped)
-    paged_decode      one query per sequence over the paged cache (stores the step's keys itself)
+    paged_decode      one query per sequence over the paged cache (stores the step's keys itself),
+                      or, with a selection, over the blocks chosen per KV head
+    select_decode_blocks
+                      selective decode: the blocks each decode query attends (decode_selection.py)
+    update_key_summaries
+                      a step's keys folded into their blocks' key summaries
     paged_prefill     varlen queries over the paged cache: chunked prefill, prefix hits, mixed steps
     fresh_prefill     prompts with no cached prefix: dense (library kernel) or sparse when long
     rms_norm, fused_add_rms_norm, rotary, silu_and_mul
@@ -24,6 +29,8 @@ from __future__ import annotations
 import torch
 
 from tgserve.kernels import reference
+from tgserve.kernels.decode_selection import DecodeSelection, choose_blocks
+from tgserve.kernels.decode_selection import update_key_summaries as update_key_summaries
 from tgserve.kernels.sparse.config import SparseConfig
 
 
@@ -61,6 +68,8 @@ def paged_decode(
     step_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     out: torch.Tensor | None = None,
     kv_scale: torch.Tensor | None = None,
+    selection: tuple[torch.Tensor, torch.Tensor] | None = None,
+    key_summary: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence over its paged context: the split-context decode kernel on CUDA.
 
@@ -68,18 +77,57 @@ def paged_decode(
     this step's (key, value, slot_mapping), stored into the cache first; the CUDA kernel stores
     them itself (one launch a layer fewer at batch-1 decode). kv_scale: the fp8 cache's scales
     [2, num_blocks, block_size, num_kv_heads] (float32), None for a cache in the model's dtype.
+    selection: (chosen, lengths): `select_decode_blocks` and the selection's `lengths` (full-attention layers).
+    key_summary: the layer's key summaries, which the step's keys are folded into.
     """
+    assert selection is None or sliding_window is None, "selection is for full-attention layers"
     if use_triton(query):
         from tgserve.kernels.paged_decode import paged_decode as triton_paged_decode
 
         return triton_paged_decode(query, kv_cache, block_tables, seq_lens, scale, sliding_window, softcap, out,
-                                   max_seq_len=max_seq_len, step_kv=step_kv, kv_scale=kv_scale)  # fmt: skip
+                                   max_seq_len=max_seq_len, step_kv=step_kv, kv_scale=kv_scale, selection=selection,
+                                   key_summary=key_summary)  # fmt: skip
     if step_kv is not None:
         reference.write_kv(*step_kv[:2], kv_cache, step_kv[2], kv_scale)
+        if key_summary is not None:
+            update_key_summaries(step_kv[0], step_kv[2], key_summary, kv_cache.shape[2])
+    if selection is not None:
+        result = reference.selected_decode(query, kv_cache, block_tables, seq_lens, *selection, scale, softcap,
+                                           kv_scale)  # fmt: skip
+        return result if out is None else out.copy_(result)
     one_query_each = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
     result = reference.paged_attention(query, kv_cache, block_tables, one_query_each, seq_lens, scale,
                                        sliding_window, softcap, kv_scale=kv_scale)  # fmt: skip
     return result if out is None else out.copy_(result)
+
+
+def select_decode_blocks(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    key_summary: torch.Tensor,  # [2, num_blocks, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # int32 [num_seqs, width]
+    seq_lens: torch.Tensor,  # int32 [num_seqs], this step's token included
+    selection: DecodeSelection,
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """int64 [num_seqs, num_kv_heads, k - 1]: per KV head the block-table columns each decode query
+    attends besides its current block (`kernels/decode_selection.py`): the blocks with the best
+    bounds, scored again by their true largest logit, and the best of those. With the step's
+    `DecodeSelection.lengths`, paged_decode's `selection`. Device tensors only, no host sync: a
+    CUDA graph captures it."""
+    block_size, width = kv_cache.shape[2], block_tables.shape[1]
+    args = (query, key_summary, block_tables, seq_lens, block_size, selection.sink_blocks(block_size),
+            selection.recent_blocks(block_size))  # fmt: skip
+    if use_triton(query):
+        from tgserve.kernels.block_scores import block_scores, candidate_scores
+    else:
+        block_scores, candidate_scores = reference.block_scores, reference.candidate_scores
+    bound = block_scores(*args)
+    candidates = torch.topk(
+        bound, selection.candidate_blocks(block_size, width), dim=-1, sorted=False
+    ).indices
+    exact = candidate_scores(query, kv_cache, block_tables, candidates, bound, kv_scale)
+    return candidates.gather(2, choose_blocks(exact, selection.chosen_blocks(block_size, width)))
 
 
 def paged_prefill(
@@ -239,11 +287,13 @@ def fresh_prefill(
     softcap: float | None = None,
     sparse: SparseConfig | None = None,
     layer: int = 0,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Prompts with no cached prefix; those of at least sparse.min_seq_len tokens go sparse.
 
     Sparse prefill needs the whole prompt in one step (a chunk has no future to estimate from)
-    and supports neither sliding windows nor softcapping: such layers stay dense.
+    and supports neither sliding windows nor softcapping: such layers stay dense. out: where a
+    sparse step writes its output (a dense step returns the library kernel's).
     """
     lens = [b - a for a, b in zip(cu_seqlens_cpu, cu_seqlens_cpu[1:])]
     max_len = max(lens, default=0)
@@ -251,7 +301,7 @@ def fresh_prefill(
     if not go_sparse or max_len < sparse.min_seq_len:
         return dense_prefill(query, key, value, cu_seqlens, max_len, scale, sliding_window, softcap,
                              cu_seqlens_cpu)  # fmt: skip
-    out = torch.empty_like(query)
+    out = torch.empty_like(query) if out is None else out
     for start, end in zip(cu_seqlens_cpu, cu_seqlens_cpu[1:]):
         q, k, v = query[start:end], key[start:end], value[start:end]
         if end - start >= sparse.min_seq_len:

@@ -51,6 +51,13 @@ def _decode_kernel(
     new_k_ptr,
     new_v_ptr,
     slot_ptr,
+    chosen_ptr,
+    chosen_lens_ptr,
+    summary_ptr,
+    stride_chosen_seq,
+    stride_chosen_head,
+    stride_sum_side,
+    stride_sum_block,
     stride_nkt,
     stride_nkh,
     stride_nvt,
@@ -82,6 +89,8 @@ def _decode_kernel(
     MERGE_ROWS: tl.constexpr,
     WRITE: tl.constexpr = False,
     SCALED: tl.constexpr = False,
+    SELECT: tl.constexpr = False,
+    SUMMARY: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
@@ -89,7 +98,22 @@ def _decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(seq_lens_ptr + seq)
+    table = bt_ptr + seq.to(tl.int64) * stride_bt
+    # Selective decode: this KV head's chosen blocks (their columns in the block table, in any
+    # order), then the current block, read as a context of their length; a length of 0 reads the
+    # whole table.
+    chosen_row = chosen_ptr
+    chosen_len = 0
+    current = (ctx - 1) // BLOCK_SIZE  # the current block's column
+    if SELECT:
+        chosen_len = tl.load(chosen_lens_ptr + seq)
+        if chosen_len > 0:
+            ctx = chosen_len
+            chosen_row = chosen_ptr + seq.to(tl.int64) * stride_chosen_seq + kv_head * stride_chosen_head
+    # The query's position in the context read (with selection, in the current block, which comes
+    # last: the same offset in the block, so the same slot).
     q_pos = ctx - 1
+    last = (ctx - 1) // BLOCK_SIZE  # the current block's place in the context read
 
     rows = tl.arange(0, BLOCK_G)
     dims = tl.arange(0, BLOCK_D)
@@ -112,14 +136,14 @@ def _decode_kernel(
         lo = tl.maximum(lo, (tl.maximum(first, 0) // BLOCK_N) * BLOCK_N)
 
     if WRITE:
-        _store_step_kv(new_k_ptr, new_v_ptr, slot_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, seq, kv_head, q_pos, lo, hi,
-                       dims, dim_ok, stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_c_block, stride_c_off,
-                       stride_c_head, num_kv_heads, BLOCK_SIZE, SCALED)  # fmt: skip
+        _store_step_kv(new_k_ptr, new_v_ptr, slot_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, summary_ptr, seq, kv_head,
+                       q_pos, lo, hi, dims, dim_ok, stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_c_block,
+                       stride_c_off, stride_c_head, num_kv_heads, stride_sum_side, stride_sum_block, head_dim,
+                       BLOCK_SIZE, SCALED, SUMMARY)  # fmt: skip
 
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    table = bt_ptr + seq.to(tl.int64) * stride_bt
     # Two pipeline stages, not the launch's default three: with Triton 3.6 for sm_90 the split kernel
     # then needs 128 registers a thread instead of 136, so four programs fit an SM instead of three.
     # On an H200 the engine's decode step ran 0.2-1.1% faster at batches 1-16 and at 256
@@ -128,7 +152,14 @@ def _decode_kernel(
         pos = start + tl.arange(0, BLOCK_N)
         in_ctx = pos < hi
         # Per-token block-table lookup: tiles may span several pages of any size.
-        page = tl.load(table + pos // BLOCK_SIZE, mask=in_ctx, other=0).to(tl.int64)
+        column = pos // BLOCK_SIZE
+        if SELECT:  # through the chosen blocks' columns, and the current block's last
+            # (A tensor, not the scalar: Triton 3.6's interpreter takes no scalar-and-vector mask.)
+            through = column * 0 + chosen_len > 0
+            chosen = through & (column < last)
+            mapped = tl.load(chosen_row + column, mask=in_ctx & chosen, other=0)
+            column = tl.where(chosen, mapped, tl.where(through, current, column))
+        page = tl.load(table + column, mask=in_ctx, other=0).to(tl.int64)
         base = page * stride_c_block + (pos % BLOCK_SIZE) * stride_c_off + kv_head * stride_c_head
         kv_mask = in_ctx[:, None] & dim_ok[None, :]
         k = tl.load(k_ptr + base[:, None] + dims[None, :], mask=kv_mask, other=0.0)
@@ -174,15 +205,18 @@ def _decode_kernel(
 
 
 @triton.jit
-def _store_step_kv(new_k_ptr, new_v_ptr, slot_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, seq, kv_head, q_pos, lo, hi, dims,
-                   dim_ok, stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_c_block, stride_c_off,
-                   stride_c_head, num_kv_heads, BLOCK_SIZE: tl.constexpr, SCALED: tl.constexpr):  # fmt: skip
+def _store_step_kv(new_k_ptr, new_v_ptr, slot_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, summary_ptr, seq, kv_head, q_pos,
+                   lo, hi, dims, dim_ok, stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_c_block, stride_c_off,
+                   stride_c_head, num_kv_heads, stride_sum_side, stride_sum_block, head_dim,
+                   BLOCK_SIZE: tl.constexpr, SCALED: tl.constexpr, SUMMARY: tl.constexpr):  # fmt: skip
     """This step's key and value of one (sequence, KV head) into the cache, in place of a launch of
     their own: the program whose context range holds the query's position stores them and then
     reads them back with its tiles; no other program reads that position. Slot -1 (padding) is
     skipped. The barrier puts every thread's store before any thread's load of the same row (a CTA
     barrier orders global memory within the block). Into an fp8 cache the rows are quantized as
-    `kv_write` quantizes them, their scales stored beside them."""
+    `kv_write` quantizes them, their scales stored beside them. With SUMMARY, the key is folded into
+    its block's minimum and maximum (`decode_selection.update_key_summaries`): a block's first slot
+    starts them over."""
     slot = tl.load(slot_ptr + seq).to(tl.int64)
     if (slot >= 0) & (q_pos >= lo) & (q_pos < hi):
         dst = (
@@ -192,6 +226,16 @@ def _store_step_kv(new_k_ptr, new_v_ptr, slot_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
         )
         k = tl.load(new_k_ptr + seq * stride_nkt + kv_head * stride_nkh + dims, mask=dim_ok, other=0.0)
         v = tl.load(new_v_ptr + seq * stride_nvt + kv_head * stride_nvh + dims, mask=dim_ok, other=0.0)
+        if SUMMARY:
+            at = summary_ptr + (slot // BLOCK_SIZE) * stride_sum_block + kv_head * head_dim + dims
+            key = k.to(summary_ptr.dtype.element_ty)
+            starts = (slot % BLOCK_SIZE) == 0
+            low = tl.where(starts, key, tl.minimum(tl.load(at, mask=dim_ok, other=0.0), key))
+            high = tl.where(
+                starts, key, tl.maximum(tl.load(at + stride_sum_side, mask=dim_ok, other=0.0), key)
+            )
+            tl.store(at, low, mask=dim_ok)
+            tl.store(at + stride_sum_side, high, mask=dim_ok)
         if SCALED:
             k_rows, k_scale = e4m3_rows(k.to(tl.float32)[None, :])
             v_rows, v_scale = e4m3_rows(v.to(tl.float32)[None, :])
@@ -319,6 +363,8 @@ def paged_decode(
     block_n: int | None = None,
     step_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     kv_scale: torch.Tensor | None = None,
+    selection: tuple[torch.Tensor, torch.Tensor] | None = None,
+    key_summary: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention over the paged cache; returns (or fills) out [num_seqs, num_heads, head_dim].
 
@@ -327,6 +373,10 @@ def paged_decode(
     step's (key, value [num_seqs, num_kv_heads, head_dim], slot_mapping [num_seqs]) not yet in the
     cache; the kernel stores them (as `kv_write.write_kv` would) before it reads them. kv_scale
     [2, num_blocks, block_size, num_kv_heads] float32, contiguous: the cache is fp8 with these scales.
+    selection: (chosen [num_seqs, num_kv_heads, k - 1] block-table columns, lengths [num_seqs]) from
+    `decode_selection`: a sequence of length > 0 attends over its chosen blocks and its current one. key_summary
+    [2, num_blocks, num_kv_heads, head_dim], contiguous: the step's keys are folded into it as
+    they are stored.
     """
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
@@ -350,9 +400,14 @@ def paged_decode(
     assert new_k.stride(2) == 1 and new_v.stride(2) == 1
     assert kv_scale is None or kv_scale.is_contiguous()
     scales = (kv_cache, kv_cache) if kv_scale is None else (kv_scale[0], kv_scale[1])  # unread unscaled
+    chosen, chosen_lens = selection or (block_tables[:, None, :], seq_lens)  # unread without SELECT
+    assert key_summary is None or key_summary.is_contiguous()
+    summary = kv_cache if key_summary is None else key_summary  # unread without SUMMARY
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
         query, kv_cache[0], kv_cache[1], *scales, block_tables, seq_lens, out, part_o, part_ml, counters,
-        new_k, new_v, slots, new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
+        new_k, new_v, slots, chosen, chosen_lens, summary, chosen.stride(0), chosen.stride(1),
+        summary.stride(0), summary.stride(1),
+        new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
         scale, softcap or 0.0, sliding_window or 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), num_kv_heads,
@@ -362,6 +417,7 @@ def paged_decode(
         USE_SOFTCAP=softcap is not None, USE_WINDOW=sliding_window is not None,
         SPLIT=splits > 1, PRECISION=dot_precision(query.dtype),
         BLOCK_S=block_s, MERGE_ROWS=merge_rows, WRITE=step_kv is not None, SCALED=kv_scale is not None,
+        SELECT=selection is not None, SUMMARY=step_kv is not None and key_summary is not None,
         **pdl(query),
     )  # fmt: skip
     return out

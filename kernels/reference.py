@@ -63,6 +63,60 @@ def gather_kv(
     return tuple(dequantize_kv(as_bytes[i, slots].view(kv_cache.dtype), flat_scale[i, slots]) for i in (0, 1))
 
 
+def block_scores(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim]: one decode query per sequence
+    key_summary: torch.Tensor,  # [2, num_blocks, num_kv_heads, head_dim]: keys' minimum, maximum
+    block_tables: torch.Tensor,  # int32 [num_seqs, width]
+    seq_lens: torch.Tensor,  # int32 [num_seqs]
+    block_size: int,
+    sink_blocks: int,
+    recent_blocks: int,
+) -> torch.Tensor:  # float32 [num_seqs, num_kv_heads, width]
+    """How much each block of a context may matter to the query, per KV head
+    (`kernels/decode_selection.py`): Quest's bound sum_d max(q_d min_d, q_d max_d), the largest over
+    the query heads that share the KV head; +inf for the sink's and the recent window's blocks;
+    -inf for the current block (always read, after the chosen ones) and past the context."""
+    num_seqs, num_heads, dim = query.shape
+    num_kv = key_summary.shape[2]
+    low, high = (key_summary[i][block_tables.long()].float() for i in (0, 1))  # [S, W, Hkv, D]
+    q = query.float().view(num_seqs, num_kv, num_heads // num_kv, dim)
+    # max(q lo, q hi) = max(q, 0) hi + min(q, 0) lo: two products, nothing computed per key.
+    bound = torch.einsum("skgd,swkd->skgw", q.clamp(min=0), high)
+    bound = bound + torch.einsum("skgd,swkd->skgw", q.clamp(max=0), low)
+    scores = bound.amax(dim=2)
+    blocks = torch.arange(block_tables.shape[1], device=query.device)[None, :]
+    num_blocks = (seq_lens.long()[:, None] + block_size - 1) // block_size
+    forced = (blocks < sink_blocks) | (blocks >= num_blocks - recent_blocks)
+    scores = torch.where(forced[:, None, :], float("inf"), scores)
+    return torch.where((blocks < num_blocks - 1)[:, None, :], scores, float("-inf"))
+
+
+def candidate_scores(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim]: one decode query per sequence
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # int32 [num_seqs, width]
+    candidates: torch.Tensor,  # int64 [num_seqs, num_kv_heads, c]: block-table columns
+    bound: torch.Tensor,  # float32 [num_seqs, num_kv_heads, width]: `block_scores`
+    kv_scale: torch.Tensor | None = None,
+) -> torch.Tensor:  # float32 [num_seqs, num_kv_heads, c]
+    """Each candidate block's largest logit q . k over its keys and the query heads that share the
+    KV head, from the cache itself; a candidate whose bound is infinite keeps it (the sink and the
+    recent window: +inf; the current block and blocks past the context: -inf, never chosen)."""
+    num_seqs, num_heads, dim = query.shape
+    num_kv = kv_cache.shape[3]
+    pages = block_tables.long().gather(1, candidates.flatten(1)).view(candidates.shape)
+    heads = torch.arange(num_kv, device=query.device)[None, :, None]
+    if kv_scale is None:
+        keys = kv_cache[0][pages, :, heads].float()  # [S, Hkv, c, block_size, D]
+    else:  # torch's CPU indexing ops do not take float8 tensors
+        as_bytes = kv_cache[0].view(torch.uint8)[pages, :, heads].view(kv_cache.dtype)
+        keys = dequantize_kv(as_bytes, kv_scale[0][pages, :, heads])
+    q = query.float().view(num_seqs, num_kv, num_heads // num_kv, dim)
+    exact = torch.einsum("skgd,skctd->skgct", q, keys).amax(dim=(2, 4))
+    given = bound.gather(2, candidates)
+    return torch.where(torch.isinf(given), given, exact)
+
+
 def causal_mask(
     q_len: int, k_len: int, sliding_window: int | None = None, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
@@ -130,6 +184,38 @@ def paged_attention(
         k, v = gather_kv(kv_cache, block_tables[i], seq_len, kv_scale)
         mask = causal_mask(hi - lo, seq_len, sliding_window, query.device)
         out[lo:hi] = masked_attention(query[lo:hi], k, v, mask, scale, softcap, upcast)
+    return out
+
+
+def selected_decode(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # int32 [num_seqs, width]
+    seq_lens: torch.Tensor,  # int32 [num_seqs]
+    chosen: torch.Tensor,  # int64 [num_seqs, num_kv_heads, k - 1]: each KV head's chosen block-table columns
+    lengths: torch.Tensor,  # int32 [num_seqs]: the tokens they and the current block hold; 0: dense
+    scale: float,
+    softcap: float | None = None,
+    kv_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Selective decode (`kernels/decode_selection.py`): each KV head's query heads attend over
+    the keys of that head's chosen blocks and the current block, as if they were the context."""
+    out = torch.zeros_like(query)
+    num_kv, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    group = query.shape[1] // num_kv
+    for s, (n, kept) in enumerate(zip(seq_lens.tolist(), lengths.tolist())):
+        current = block_tables[s, (n - 1) // block_size].reshape(1)
+        for h in range(num_kv):
+            table, length = (
+                (torch.cat([block_tables[s, chosen[s, h]], current]), kept)
+                if kept > 0
+                else (block_tables[s], n)
+            )
+            k, v = gather_kv(kv_cache, table, length, kv_scale)
+            heads = slice(h * group, (h + 1) * group)
+            allowed = torch.ones(1, length, dtype=torch.bool, device=query.device)
+            out[s, heads] = masked_attention(query[s : s + 1, heads], k[:, h : h + 1], v[:, h : h + 1], allowed,
+                                             scale, softcap)[0]  # fmt: skip
     return out
 
 

@@ -82,6 +82,14 @@ FLAGS: tuple[Flag, ...] = (
         "What the KV cache stores: auto (the model's dtype) or fp8 (e4m3 with a scale per token and KV head: "
         "twice the tokens of bf16; CUDA and the CPU)",
     ),
+    Flag(
+        "decode-attention-budget",
+        int,
+        4096,
+        "Tokens a decoding sequence past --decode-attention-min-context attends: the blocks its query scores "
+        "highest, the first and the most recent (0: always dense; CUDA and the CPU)",
+    ),
+    Flag("decode-attention-min-context", int, 32768, "Contexts longer than this select blocks to attend"),
     Flag("hostname", str, "0.0.0.0", "Address to listen on"),
     Flag("port", int, 3000, "Port to listen on"),
     Flag("num-shard", int, None, "Tensor-parallel shards (GPUs or HPUs)"),
@@ -232,6 +240,8 @@ def engine_args(args: argparse.Namespace) -> dict[str, Any]:
         "programmatic_dependent_launch": args.programmatic_dependent_launch,
         "sparse_prefill": args.sparse_prefill,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "decode_attention_budget": args.decode_attention_budget,
+        "decode_attention_min_context": args.decode_attention_min_context,
     }
     if args.allow_pickle_weights:
         result["allow_pickle"] = True

@@ -56,6 +56,16 @@ class Prompt:
     seekers: range  # query positions that look for it
 
 
+def rotary_pairs(head_dim: int) -> int:
+    """Rotary pairs of a planted head: the first 2 x this many coordinates; then the sink's, the
+    heavy hitters' and the needle's directions, one coordinate each; then noise."""
+    return (head_dim - 3 - 5) // 2
+
+
+def needle_coordinate(head_dim: int) -> int:
+    return 2 * rotary_pairs(head_dim) + 2
+
+
 def _rotary(pos: torch.Tensor, freqs: torch.Tensor, amp: float) -> torch.Tensor:
     """[len(pos), 2F]: (cos, sin) of each frequency at each position, times amp."""
     angle = pos[:, None].double() * freqs[None, :]
@@ -71,7 +81,7 @@ def planted_prompt(
     noise_gen = torch.Generator(device=device).manual_seed(seed)
     scale = head_dim**-0.5
     extra = 3  # sink, heavy-hitter and needle directions
-    pairs = (head_dim - extra - 5) // 2
+    pairs = rotary_pairs(head_dim)
     noise_dims = head_dim - 2 * pairs - extra
     period = max(2 * pairs + 2, int(n * plant.period_frac))
     freqs = 2 * math.pi * torch.arange(1, pairs + 1, dtype=torch.float64, device=device) / period

@@ -14,6 +14,7 @@ from typing import Generic, TypeVar
 import torch
 from torch import nn
 
+from tgserve.kernels.decode_selection import DecodeSelection
 from tgserve.server.attention.metadata import AttentionMetadata
 from tgserve.server.kv_cache.spec import KVCacheSpec
 
@@ -29,6 +30,14 @@ class AttentionLayerParams:
     # An fp8 cache's scales, [2, num_blocks, block_size, num_kv_heads] float32 (kv_cache/spec.py):
     # the backend writes and reads the layer's cache through them. None for a cache in the model's dtype.
     kv_scale: torch.Tensor | None = None
+    # The layer's key summary per block, [2, num_blocks, num_kv_heads, head_dim]: the backend folds
+    # the keys it stores into it, and decode may select blocks by it. None: no selection (a sliding
+    # window layer, or selection off).
+    key_summary: torch.Tensor | None = None
+    # Where the backend may write this call's output [num_tokens, num_heads, head_dim] instead of
+    # allocating it (a whole long prompt's attention writes over the layer's normed input, dead by
+    # then: 8 GiB at a million tokens of Llama-3-8B). A backend that cannot returns a new tensor.
+    out: torch.Tensor | None = None
 
 
 @dataclass
@@ -54,6 +63,9 @@ class AttentionBackend(ABC, Generic[Plan]):
     shape_only: bool = False
     # True when the backend writes and reads an fp8 KV cache (AttentionLayerParams.kv_scale).
     reads_fp8_kv: bool = False
+    # Selective decode attention (kernels/decode_selection.py), given to backends that run it.
+    selection: DecodeSelection | None = None
+    selects_decode_blocks: bool = False
 
     @property
     def whole_prompt_tokens(self) -> int | None:

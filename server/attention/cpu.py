@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from tgserve.kernels import dispatch
+from tgserve.kernels.decode_selection import DecodeSelection, chosen_mask, update_key_summaries
 from tgserve.kernels.fp8_format import dequantize_kv
 from tgserve.kernels.reference import causal_mask, gather_kv, masked_attention, write_kv
 from tgserve.server.attention.backend import AttentionBackend, AttentionLayerParams, StepPlan
@@ -56,6 +58,9 @@ class DecodeGroup:
     num_blocks: int
     query_pos: torch.Tensor  # [B, 1]
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # by sliding window
+    # Selective decode: which of the group's sequences attend over chosen blocks only (bool [B]);
+    # None where the step does not select.
+    selected: torch.Tensor | None = None
 
 
 @dataclass
@@ -69,7 +74,9 @@ class CpuStepPlan(StepPlan):
     prefill_masks: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict)
 
 
-def cpu_step_plan(metadata: AttentionMetadata) -> CpuStepPlan:
+def cpu_step_plan(metadata: AttentionMetadata, selection: DecodeSelection | None = None) -> CpuStepPlan:
+    """With a selection, every decoding sequence past its threshold selects, whatever else the step
+    holds (a request's tokens never depend on the requests batched with it)."""
     starts, lens, block_size = metadata.query_start_loc_cpu, metadata.seq_lens_cpu, metadata.block_size
     decode = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] == 1]
     # Sequences whose block counts fall in the same power-of-two range share a gather, so padding
@@ -79,6 +86,9 @@ def cpu_step_plan(metadata: AttentionMetadata) -> CpuStepPlan:
     for i in decode:
         buckets.setdefault((-(-lens[i] // block_size) - 1).bit_length(), []).append(i)
     groups = [_decode_group(metadata, seqs, block_size) for seqs in buckets.values()]
+    if selection is not None and selection.selects(metadata.max_seq_len):
+        for group in groups:
+            group.selected = group.query_pos[:, 0] + 1 > selection.min_context
     grouped = {i for seqs in buckets.values() for i in seqs}
     # Sequences without queries (padding of a static-shape step) have nothing to attend.
     prefill = [
@@ -132,17 +142,42 @@ def gathered_blocks(
     return tuple(dequantize_kv(gather(as_bytes[i]).view(kv_cache.dtype), gather(kv_scale[i])) for i in (0, 1))
 
 
+def chosen_positions(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    group: DecodeGroup,
+    layer: AttentionLayerParams,
+    selection: DecodeSelection,
+) -> torch.Tensor:  # bool [B, num_heads, 1, L]
+    """Selective decode as a mask over the group's gathered positions: per KV head, the blocks
+    `dispatch.select_decode_blocks` chooses and the current one (every block for a sequence not
+    selected), repeated for the query heads that share it. With every block chosen it is all True,
+    and attention is the dense one."""
+    batch, num_blocks, block_size = group.query_pos.shape[0], group.num_blocks, kv_cache.shape[2]
+    tables = group.block_ids.view(batch, num_blocks)
+    seq_lens = group.query_pos[:, 0] + 1
+    chosen = dispatch.select_decode_blocks(query, layer.key_summary, tables, seq_lens, selection, kv_cache,
+                                           layer.kv_scale)  # fmt: skip
+    keep = chosen_mask(chosen, seq_lens, num_blocks, block_size) | ~group.selected[:, None, None]
+    group_size = query.shape[1] // keep.shape[1]
+    return keep.repeat_interleave(group_size, 1).repeat_interleave(block_size, 2)[:, :, None, :]
+
+
 def decode_attention(
     query: torch.Tensor,  # [B, num_heads, head_dim]: one query per sequence, at position seq_len - 1
     kv_cache: torch.Tensor,
     group: DecodeGroup,
     layer: AttentionLayerParams,
+    selection: DecodeSelection | None = None,
 ) -> torch.Tensor:  # [B, num_heads, head_dim]
-    """A group of decoding sequences at once: whole blocks gathered, padded to the longest, masked."""
+    """A group of decoding sequences at once: whole blocks gathered, padded to the longest, masked
+    (and, selecting, masked to the chosen blocks)."""
     batch, num_heads, dim = query.shape
     block_size = kv_cache.shape[2]
     keys, values = gathered_blocks(kv_cache, layer.kv_scale, group)
     allowed = decode_mask(group, block_size, layer.spec.sliding_window)
+    if group.selected is not None and layer.key_summary is not None:
+        allowed = allowed & chosen_positions(query, kv_cache, group, layer, selection)
     if layer.softcap is None:
         out = F.scaled_dot_product_attention(
             query[:, :, None, :],
@@ -157,6 +192,8 @@ def decode_attention(
     q = query.float().view(batch, num_kv, num_heads // num_kv, dim)
     scores = torch.einsum("bkgd,blkd->bkgl", q, keys.float()) * layer.scale
     scores = torch.tanh(scores / layer.softcap) * layer.softcap
+    if allowed.shape[1] > 1:  # per query head (selection): [B, num_kv, group, L] like the scores
+        allowed = allowed.view(batch, num_kv, -1, allowed.shape[-1])
     scores = scores.masked_fill(~allowed, float("-inf"))
     out = torch.einsum("bkgl,blkd->bkgd", torch.softmax(scores, dim=-1), values.float())
     return out.reshape(batch, num_heads, dim).to(query.dtype)
@@ -167,9 +204,13 @@ class CpuAttentionBackend(AttentionBackend[CpuStepPlan]):
 
     name = "cpu"
     reads_fp8_kv = True
+    selects_decode_blocks = True
+
+    def __init__(self, selection: DecodeSelection | None = None) -> None:
+        self.selection = selection
 
     def plan(self, metadata: AttentionMetadata) -> CpuStepPlan:
-        return cpu_step_plan(metadata)
+        return cpu_step_plan(metadata, self.selection)
 
     def forward(self, query, key, value, kv_cache, plan: CpuStepPlan, layer: AttentionLayerParams):
         metadata = plan.metadata
@@ -181,9 +222,11 @@ class CpuAttentionBackend(AttentionBackend[CpuStepPlan]):
             flat[1].index_copy_(0, metadata.slot_mapping, value.to(kv_cache.dtype))
         else:
             write_kv(key, value, kv_cache, metadata.slot_mapping)
+        if layer.key_summary is not None:
+            update_key_summaries(key, metadata.slot_mapping, layer.key_summary, metadata.block_size)
         out = torch.empty_like(query)
         for group in plan.decode_groups:
-            out[group.rows] = decode_attention(query[group.rows], kv_cache, group, layer)
+            out[group.rows] = decode_attention(query[group.rows], kv_cache, group, layer, self.selection)
         window = layer.spec.sliding_window
         for i, begin, end, seq_len in plan.prefill_seqs:
             fresh = end - begin == seq_len  # a fresh prompt: its context is exactly this step's keys

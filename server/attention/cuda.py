@@ -8,6 +8,11 @@ Each step takes one of three paths, decided once per step from host-side lengths
   the model's dtype: with an fp8 cache, only later steps read the prompt's keys quantized).
 - anything else (chunked prefill, prefix-cache hits, prefill beside decode): the varlen paged
   prefill kernel over every sequence's paged context.
+
+With selective decode attention (`--decode-attention-budget`), a decode step whose contexts pass
+the threshold first scores every block of each context by its key summary and chooses the blocks
+to read (`dispatch.select_decode_blocks`), then runs the same decode kernel over them. Every path
+folds the keys it stores into their blocks' summaries.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from tgserve.kernels import dispatch
+from tgserve.kernels.decode_selection import DecodeSelection
 from tgserve.kernels.sparse.config import SparseConfig
 from tgserve.server.attention.backend import AttentionBackend, AttentionLayerParams, StepPlan
 from tgserve.server.attention.metadata import AttentionMetadata, rows_as_sequences
@@ -32,13 +38,41 @@ class CudaPath(enum.Enum):
 
 
 @dataclass
+class LongDecodes:
+    """The decoding sequences of a mixed (paged) step that select: they attend through the decode
+    kernel over their chosen blocks, as they would in a step of decode alone, so a request's
+    tokens never depend on the prompts batched with it. The paged prefill kernel sees them with a
+    context of one token (`prefill_seq_lens`), its output for their rows replaced."""
+
+    rows: torch.Tensor  # int64 [n]: their query rows
+    seqs: torch.Tensor  # int64 [n]: their sequences
+    prefill_seq_lens: torch.Tensor  # int32 [num_seqs]: seq_lens, 1 at theirs
+
+
+def long_decodes(metadata: AttentionMetadata, selection: DecodeSelection) -> LongDecodes | None:
+    starts, lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
+    seqs = [i for i, n in enumerate(lens) if starts[i + 1] - starts[i] == 1 and n > selection.min_context]
+    if not seqs:
+        return None
+    device = metadata.seq_lens.device
+    index = torch.tensor(seqs, device=device)
+    prefill_seq_lens = metadata.seq_lens.clone()
+    prefill_seq_lens[index] = 1
+    return LongDecodes(torch.tensor([starts[i] for i in seqs], device=device), index, prefill_seq_lens)
+
+
+@dataclass
 class CudaStepPlan(StepPlan):
     path: CudaPath = CudaPath.PAGED
     max_query_len: int = 0
     max_seq_len: int = 0  # host bound on seq_lens: sizes the decode kernel's context splits
+    # Decode over the blocks that selection chooses (full-attention layers): the chosen blocks'
+    # lengths per sequence, the same in every layer (`DecodeSelection.lengths`); None: dense.
+    selected_lengths: torch.Tensor | None = None
+    long_decodes: LongDecodes | None = None  # a paged step's decode rows that select
 
 
-def cuda_step_plan(metadata: AttentionMetadata) -> CudaStepPlan:
+def cuda_step_plan(metadata: AttentionMetadata, selection: DecodeSelection | None = None) -> CudaStepPlan:
     """The step's path, from host-side lengths; under a captured graph (context_bound set) the
     context length is the bound, which holds for every replay."""
     max_query_len = metadata.max_query_len
@@ -52,7 +86,14 @@ def cuda_step_plan(metadata: AttentionMetadata) -> CudaStepPlan:
         path = CudaPath.FRESH
     else:
         path = CudaPath.PAGED
-    return CudaStepPlan(metadata, path, max_query_len, max_seq_len)
+    selects = selection is not None and selection.selects(max_seq_len)
+    lengths = None
+    if path is CudaPath.DECODE and selects:
+        lengths = selection.lengths(metadata.seq_lens, metadata.block_size, metadata.block_tables.shape[1])
+        # What any sequence then reads: a context under the threshold, or the budget.
+        max_seq_len = min(max_seq_len, max(selection.min_context, selection.budget))
+    decodes = long_decodes(metadata, selection) if selects and path is CudaPath.PAGED else None
+    return CudaStepPlan(metadata, path, max_query_len, max_seq_len, lengths, decodes)
 
 
 class CudaAttentionBackend(AttentionBackend[CudaStepPlan]):
@@ -60,20 +101,32 @@ class CudaAttentionBackend(AttentionBackend[CudaStepPlan]):
 
     name = "cuda"
     reads_fp8_kv = True
+    selects_decode_blocks = True
 
-    def __init__(self, sparse: SparseConfig | None = None) -> None:
+    def __init__(self, sparse: SparseConfig | None = None, selection: DecodeSelection | None = None) -> None:
         self.sparse = sparse
+        self.selection = selection
 
     @property
     def whole_prompt_tokens(self) -> int | None:
         return None if self.sparse is None else self.sparse.min_seq_len
 
     def plan(self, metadata: AttentionMetadata) -> CudaStepPlan:
-        return cuda_step_plan(metadata)
+        return cuda_step_plan(metadata, self.selection)
+
+    def _store(self, key, value, kv_cache, metadata: AttentionMetadata, layer: AttentionLayerParams) -> None:
+        dispatch.write_kv(key, value, kv_cache, metadata.slot_mapping, layer.kv_scale)
+        if layer.key_summary is not None:
+            dispatch.update_key_summaries(key, metadata.slot_mapping, layer.key_summary, metadata.block_size)
 
     def forward(self, query, key, value, kv_cache, plan: CudaStepPlan, layer: AttentionLayerParams):
         metadata, window = plan.metadata, layer.spec.sliding_window
         if plan.path is CudaPath.DECODE:  # the kernel stores this step's keys and values itself
+            selection = None
+            if plan.selected_lengths is not None and layer.key_summary is not None:
+                chosen = dispatch.select_decode_blocks(query, layer.key_summary, metadata.block_tables,
+                                                       metadata.seq_lens, self.selection, kv_cache, layer.kv_scale)  # fmt: skip
+                selection = (chosen, plan.selected_lengths)
             return dispatch.paged_decode(
                 query,
                 kv_cache,
@@ -85,8 +138,10 @@ class CudaAttentionBackend(AttentionBackend[CudaStepPlan]):
                 max_seq_len=plan.max_seq_len,
                 step_kv=(key, value, metadata.slot_mapping),
                 kv_scale=layer.kv_scale,
+                selection=selection,
+                key_summary=layer.key_summary,
             )
-        dispatch.write_kv(key, value, kv_cache, metadata.slot_mapping, layer.kv_scale)
+        self._store(key, value, kv_cache, metadata, layer)
         if plan.path is CudaPath.FRESH:
             return dispatch.fresh_prefill(
                 query,
@@ -99,18 +154,36 @@ class CudaAttentionBackend(AttentionBackend[CudaStepPlan]):
                 layer.softcap,
                 self.sparse,
                 layer.layer_idx,
+                out=layer.out,
             )
-        return dispatch.paged_prefill(
+        decodes = plan.long_decodes if layer.key_summary is not None else None
+        out = dispatch.paged_prefill(
             query,
             kv_cache,
             metadata.block_tables,
             metadata.query_start_loc,
-            metadata.seq_lens,
+            metadata.seq_lens if decodes is None else decodes.prefill_seq_lens,
             layer.scale,
             window,
             layer.softcap,
             kv_scale=layer.kv_scale,
         )
+        if decodes is not None:
+            out[decodes.rows] = self._selective_decode(
+                query[decodes.rows], kv_cache, metadata, layer, decodes.seqs
+            )
+        return out
+
+    def _selective_decode(self, query, kv_cache, metadata: AttentionMetadata, layer: AttentionLayerParams,
+                          seqs: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """Decode queries of sequences `seqs` (their keys already stored) over their chosen blocks."""
+        tables, seq_lens = metadata.block_tables[seqs], metadata.seq_lens[seqs]
+        chosen = dispatch.select_decode_blocks(query, layer.key_summary, tables, seq_lens, self.selection, kv_cache,
+                                               layer.kv_scale)  # fmt: skip
+        selection = (chosen, self.selection.lengths(seq_lens, metadata.block_size, tables.shape[1]))
+        bound = max(self.selection.min_context, self.selection.budget)
+        return dispatch.paged_decode(query, kv_cache, tables, seq_lens, layer.scale, None, layer.softcap,
+                                     max_seq_len=bound, kv_scale=layer.kv_scale, selection=selection)  # fmt: skip
 
     def forward_rows(self, query, key, value, kv_cache, plan: CudaStepPlan, layer: AttentionLayerParams,
                      rows: torch.Tensor) -> torch.Tensor:  # fmt: skip
@@ -123,9 +196,14 @@ class CudaAttentionBackend(AttentionBackend[CudaStepPlan]):
         # none), so its rows cannot be read back from the cache: they take every row's attention.
         if plan.max_query_len == 1 or not metadata.tables_cover_contexts:
             return super().forward_rows(query, key, value, kv_cache, plan, layer, rows)
-        dispatch.write_kv(key, value, kv_cache, metadata.slot_mapping, layer.kv_scale)
+        self._store(key, value, kv_cache, metadata, layer)
         block_tables, seq_lens = rows_as_sequences(metadata, rows)
-        return dispatch.paged_decode(
+        decodes = plan.long_decodes if layer.key_summary is not None else None
+        if decodes is not None:  # they select, as in every other layer: their dense read is one token
+            # [kept, n]: where each selecting row is kept (every decode row is: its logits are read)
+            at = rows[:, None] == decodes.rows[None, :]
+            seq_lens = torch.where(at.any(1), 1, seq_lens).to(torch.int32)
+        out = dispatch.paged_decode(
             query[rows],
             kv_cache,
             block_tables,
@@ -136,3 +214,8 @@ class CudaAttentionBackend(AttentionBackend[CudaStepPlan]):
             max_seq_len=plan.max_seq_len,
             kv_scale=layer.kv_scale,
         )
+        if decodes is not None:
+            out[at.int().argmax(0)] = self._selective_decode(
+                query[decodes.rows], kv_cache, metadata, layer, decodes.seqs
+            )
+        return out

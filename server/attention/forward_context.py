@@ -20,16 +20,21 @@ from tgserve.server.kv_cache.spec import KVCacheSpec
 @dataclass
 class ForwardContext:
     """One forward pass: the backend and the plan it made for the step, the per-layer KV views
-    (with an fp8 cache, each layer's scales beside them; empty otherwise)."""
+    (with an fp8 cache, each layer's scales beside them, and where decode attention selects blocks,
+    each layer's key summaries; empty otherwise)."""
 
     backend: AttentionBackend
     plan: StepPlan
     kv_caches: list[torch.Tensor]
     specs: list[KVCacheSpec]
     kv_scales: list[torch.Tensor | None] = field(default_factory=list)
+    key_summaries: list[torch.Tensor | None] = field(default_factory=list)  # selective decode's, per layer
 
     def kv_scale(self, layer_idx: int) -> torch.Tensor | None:
         return self.kv_scales[layer_idx] if self.kv_scales else None
+
+    def key_summary(self, layer_idx: int) -> torch.Tensor | None:
+        return self.key_summaries[layer_idx] if self.key_summaries else None
 
     @property
     def metadata(self) -> AttentionMetadata:
@@ -64,11 +69,14 @@ def paged_attention(
     scale: float,
     softcap: float | None = None,
     rows: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention for layer `layer_idx` of the current step, reading and writing its KV view; with
-    `rows`, the output of those query rows only (every row's keys and values are stored)."""
+    `rows`, the output of those query rows only (every row's keys and values are stored); `out`, a
+    buffer the backend may write the output into (`AttentionLayerParams.out`)."""
     ctx = get_forward_context()
-    layer = AttentionLayerParams(ctx.specs[layer_idx], scale, softcap, layer_idx, ctx.kv_scale(layer_idx))
+    layer = AttentionLayerParams(ctx.specs[layer_idx], scale, softcap, layer_idx, ctx.kv_scale(layer_idx),
+                                 ctx.key_summary(layer_idx), out)  # fmt: skip
     cache = ctx.kv_caches[layer_idx]
     if rows is None:
         return ctx.backend.forward(query, key, value, cache, ctx.plan, layer)

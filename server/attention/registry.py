@@ -5,23 +5,27 @@ from __future__ import annotations
 
 import torch
 
+from tgserve.kernels.decode_selection import DecodeSelection
 from tgserve.kernels.sparse.config import SparseConfig
 from tgserve.server.attention.backend import AttentionBackend
 
 
-def attention_backend(device: torch.device, sparse: SparseConfig | None = None) -> AttentionBackend:
-    """The backend for a device; each is imported only when chosen."""
+def attention_backend(
+    device: torch.device, sparse: SparseConfig | None = None, selection: DecodeSelection | None = None
+) -> AttentionBackend:
+    """The backend for a device; each is imported only when chosen. `selection` (selective decode)
+    is given to the backends that run it (cpu, cuda); the engine refuses it for the others."""
     if device.type == "cuda":
         from tgserve.kernels.triton_support import check_triton, installed_triton
         from tgserve.server.attention.cuda import CudaAttentionBackend
 
         check_triton(installed_triton())
 
-        return CudaAttentionBackend(sparse)
+        return CudaAttentionBackend(sparse, selection)
     if device.type == "cpu":
         from tgserve.server.attention.cpu import CpuAttentionBackend
 
-        return CpuAttentionBackend()
+        return CpuAttentionBackend(selection)
     if device.type == "hpu":
         from tgserve.server.attention.hpu import HpuAttentionBackend
 

@@ -32,6 +32,12 @@ class EngineArgs:
     # What the KV cache stores: "auto" (the model's dtype) or "fp8" (e4m3 with a scale per token and
     # KV head, half the bytes of bf16; kv_cache/spec.py). vLLM's flag and names.
     kv_cache_dtype: str = "auto"
+    # Selective decode attention (kernels/decode_selection.py): a decoding sequence whose context is
+    # longer than decode_attention_min_context tokens attends over decode_attention_budget of them,
+    # the blocks its query's heads score highest (0: always dense). Blocks keep key summaries only
+    # where the model's length passes the threshold. CPU and CUDA.
+    decode_attention_budget: int = 4096
+    decode_attention_min_context: int = 32768
     tensor_parallel_size: int = 1  # --num-shard: shards of the model, one device each (llama family)
     # Schedule step N+1 while the device runs step N (None: on GPUs, where the host would otherwise
     # idle the device; on the CPU there is nothing to overlap).

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from tgserve.kernels.decode_selection import DecodeSelection
 from tgserve.kernels.sparse.config import SparseConfig, load_sparse_config
 from tgserve.server.attention.registry import attention_backend
 from tgserve.server.config.engine_args import EngineArgs
@@ -31,7 +32,12 @@ from tgserve.server.execution.memory import (
 )
 from tgserve.server.execution.runner import ModelRunner
 from tgserve.server.kv_cache.pool import num_blocks_for_memory
-from tgserve.server.kv_cache.spec import kv_bytes_per_token, kv_cache_dtype, kv_cache_specs
+from tgserve.server.kv_cache.spec import (
+    kv_bytes_per_token,
+    kv_cache_dtype,
+    kv_cache_specs,
+    with_key_summaries,
+)
 from tgserve.server.loading.description import ModelDescription
 from tgserve.server.loading.source import ModelSource
 from tgserve.server.models.loader import load_model
@@ -85,7 +91,10 @@ class ModelShard:
             args.quantize,
         )
         self.specs = kv_cache_specs(config, cache_dtype, args.tensor_parallel_size)
-        self.backend = attention_backend(device, self._sparse_config())
+        self.selection = self._decode_selection()
+        if self.selection is not None:
+            self.specs = with_key_summaries(self.specs, dtype)
+        self.backend = attention_backend(device, self._sparse_config(), self.selection)
         if self.specs[0].scaled and not self.backend.reads_fp8_kv:
             raise ValueError(
                 f"--kv-cache-dtype {args.kv_cache_dtype}: the {self.backend.name} backend keeps its KV cache in the "
@@ -102,6 +111,7 @@ class ModelShard:
         # Set by `allocate`: the executor's parts, kept for their logs and counters.
         self.static_executor: StaticShapeExecutor | None = None
         self.decode_graphs: DecodeGraphs | None = None
+        self.long_decode_graphs: DecodeGraphs | None = None  # selective decode's (long contexts)
         self.runner: ModelRunner | None = None
         self.memory_profile: MemoryProfile | None = None
         # A whole prompt of the model's length, profiled where long prompts are prefilled whole
@@ -129,6 +139,29 @@ class ModelShard:
             )
             return None
         return whole
+
+    def _decode_selection(self) -> DecodeSelection | None:
+        """Selective decode attention, where contexts of the model's length pass its threshold (a
+        budget that leaves nothing to choose fails here, before the pool is sized)."""
+        args = self.args
+        if args.decode_attention_budget <= 0:
+            return None
+        selection = DecodeSelection.for_budget(
+            args.decode_attention_budget, args.decode_attention_min_context
+        )
+        selection.check(args.block_size)
+        if self.max_model_len <= selection.min_context:
+            return None
+        if self.device.type not in ("cpu", "cuda"):
+            logger.info("decode attention is dense for every context: selective decode runs on cpu and cuda")
+            return None
+        logger.info(
+            "decoding sequences past %d tokens of context attend over %d of them (--decode-attention-budget; "
+            "0 turns it off)",
+            selection.min_context,
+            selection.budget,
+        )
+        return selection
 
     def _sparse_config(self) -> SparseConfig | None:
         """Sparse prefill patterns: the given file, else the model's `sparse_attention.json`, else defaults."""
@@ -195,7 +228,7 @@ class ModelShard:
         of the model's length (`longest`). Where that prompt's step leaves less than one request of
         that length needs, or did not fit at all, long prompts are chunked instead (dense
         attention), and the log says so."""
-        one_request = self.max_model_len * kv_bytes_per_token(self.specs)
+        one_request = self.max_model_len * kv_bytes_per_token(self.specs, self.args.block_size)
         self.whole_prompt_profile = longest
         if longest is not None and longest.kv_budget_bytes >= one_request:
             self.memory_profile = min(self.memory_profile, longest, key=lambda p: p.kv_budget_bytes)
@@ -245,8 +278,11 @@ class ModelShard:
         graphs = self.args.cuda_graphs and (self.buckets is None or self.buckets.graphs)
         if self.device.type == "cuda" and graphs:
             self.decode_graphs = self._capture_graphs()
+            if self.decode_graphs is not None and self.selection is not None:
+                self.long_decode_graphs = self._capture_graphs(long_contexts=True)
         if self.decode_graphs is not None:
-            executor = CudaGraphExecutor(self.decode_graphs, executor)
+            long_context = None if self.selection is None else self.selection.min_context
+            executor = CudaGraphExecutor(self.decode_graphs, executor, self.long_decode_graphs, long_context)
         return executor
 
     def _step_graphs(self) -> StepGraphs | None:
@@ -259,17 +295,28 @@ class ModelShard:
         graphed = self.backend.graph_wrap(plain) if self.buckets.graphs else plain
         return StepGraphs(graphed, plain, self.buckets.decode_graphs_only)
 
-    def _capture_graphs(self) -> DecodeGraphs | None:
+    def _capture_graphs(self, long_contexts: bool = False) -> DecodeGraphs | None:
+        """Decode graphs for every batch size; with `long_contexts`, the selective decode steps of
+        contexts past the threshold (their bound is the model's length, which turns selection on),
+        for as many such sequences as the pool holds."""
         block_size = self.args.block_size
+        max_batch = min(self.args.max_num_seqs, self.args.max_cuda_graph_batch)
+        bound = min(self.max_model_len, GRAPH_CONTEXT_BOUND)
+        sizes = self.shapes.decode_batch if self.shapes is not None else None  # static shapes: the buckets
+        if long_contexts:
+            bound = self.max_model_len
+            max_batch = max(
+                1, min(max_batch, self.num_blocks * block_size // (self.selection.min_context + 1))
+            )
+            sizes = None if sizes is None else [s for s in sizes if s <= max_batch] or [max_batch]
         graphs = DecodeGraphs(
             self.forward,
-            max_batch=min(self.args.max_num_seqs, self.args.max_cuda_graph_batch),
+            max_batch=max_batch,
             max_blocks_per_seq=-(-self.max_model_len // block_size),
             block_size=block_size,
-            context_bound=min(self.max_model_len, GRAPH_CONTEXT_BOUND),
+            context_bound=bound,
             device=self.device,
-            # With static shapes the decode batch buckets are the graphs' sizes.
-            sizes=self.shapes.decode_batch if self.shapes is not None else None,
+            sizes=sizes,
         )
         try:
             graphs.capture()

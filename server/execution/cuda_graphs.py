@@ -124,24 +124,41 @@ class DecodeGraphs:
 
 class CudaGraphExecutor(StepExecutor):
     """Pure decode steps that a captured graph covers replay it; every other step runs through
-    `fallback` (eagerly, or padded to a static shape)."""
+    `fallback` (eagerly, or padded to a static shape). With selective decode attention, a step
+    whose contexts pass `long_context` tokens replays `long_graphs` (captured selecting), as they
+    fit; the others would attend densely."""
 
-    def __init__(self, graphs: DecodeGraphs, fallback: StepExecutor) -> None:
+    def __init__(
+        self,
+        graphs: DecodeGraphs,
+        fallback: StepExecutor,
+        long_graphs: DecodeGraphs | None = None,
+        long_context: int | None = None,
+    ) -> None:
         self.graphs, self.fallback = graphs, fallback
+        self.long_graphs, self.long_context = long_graphs, long_context
 
     def run(self, inputs: StepInputs) -> torch.Tensor:
-        if not self._fits_graph(inputs):
+        graphs = self._graphs_for(inputs)
+        if graphs is None:
             return self.fallback.run(inputs)
         meta = inputs.metadata
-        return self.graphs.run(
+        return graphs.run(
             inputs.input_ids, inputs.positions, meta.slot_mapping, meta.seq_lens, meta.block_tables
         )
 
-    def _fits_graph(self, inputs: StepInputs) -> bool:
-        """One token per sequence, each sampled, no prompt scored, within the captured sizes."""
-        num_seqs = inputs.metadata.num_seqs
-        return (
-            not inputs.prompt_rows.spans
-            and inputs.input_ids.shape[0] == num_seqs == len(inputs.sampled_request_ids)
-            and self.graphs.can_run(num_seqs, inputs.metadata.block_tables.shape[1])
-        )
+    def _graphs_for(self, inputs: StepInputs) -> DecodeGraphs | None:
+        """The graphs that replay this step: one token per sequence, each sampled, no prompt
+        scored, within the captured sizes (None: it runs through the fallback)."""
+        meta = inputs.metadata
+        num_seqs = meta.num_seqs
+        if inputs.prompt_rows.spans or not inputs.input_ids.shape[0] == num_seqs == len(
+            inputs.sampled_request_ids
+        ):
+            return None
+        graphs = self.graphs
+        if self.long_context is not None and meta.max_seq_len > self.long_context:
+            graphs = self.long_graphs
+        if graphs is None or not graphs.can_run(num_seqs, meta.block_tables.shape[1]):
+            return None
+        return graphs

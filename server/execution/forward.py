@@ -9,7 +9,7 @@ from torch import nn
 from tgserve.server.attention.backend import AttentionBackend
 from tgserve.server.attention.forward_context import ForwardContext, forward_context
 from tgserve.server.attention.metadata import AttentionMetadata
-from tgserve.server.kv_cache.pool import allocate_kv_caches, allocate_kv_scales
+from tgserve.server.kv_cache.pool import allocate_key_summaries, allocate_kv_caches, allocate_kv_scales
 from tgserve.server.kv_cache.spec import KVCacheSpec
 
 
@@ -27,15 +27,18 @@ class ModelForward:
         self.specs = specs
         self.kv_caches: list[torch.Tensor] = []
         self.kv_scales: list[torch.Tensor | None] = []  # an fp8 cache's scales, per layer
+        self.key_summaries: list[torch.Tensor | None] = []  # blocks' key summaries (selective decode)
 
     def allocate_pool(self, num_blocks: int, block_size: int, device: torch.device) -> None:
-        """Every layer's KV cache of `num_blocks` blocks (and, for an fp8 cache, its scales)."""
+        """Every layer's KV cache of `num_blocks` blocks (and, for an fp8 cache, its scales; where
+        decode attention selects blocks, their key summaries)."""
         self.release_pool()
         self.kv_caches = allocate_kv_caches(self.specs, num_blocks, block_size, device)
         self.kv_scales = allocate_kv_scales(self.specs, num_blocks, block_size, device)
+        self.key_summaries = allocate_key_summaries(self.specs, num_blocks, device)
 
     def release_pool(self) -> None:
-        self.kv_caches, self.kv_scales = [], []
+        self.kv_caches, self.kv_scales, self.key_summaries = [], [], []
 
     @torch.inference_mode()
     def __call__(
@@ -46,6 +49,6 @@ class ModelForward:
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
         context = ForwardContext(self.backend, self.backend.plan(metadata), self.kv_caches, self.specs,
-                                 self.kv_scales)  # fmt: skip
+                                 self.kv_scales, self.key_summaries)  # fmt: skip
         with forward_context(context):
             return self.model(input_ids, positions, logits_indices)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from tgserve.server.kv_cache.spec import KVCacheSpec, kv_bytes_per_token
+from tgserve.server.kv_cache.spec import KVCacheSpec
 
 
 def num_blocks_for_memory(specs: list[KVCacheSpec], block_size: int, memory_bytes: int) -> int:
-    """How many blocks fit in `memory_bytes` across all layers."""
-    return max(1, memory_bytes // (block_size * kv_bytes_per_token(specs)))
+    """How many blocks fit in `memory_bytes` across all layers (their summaries included)."""
+    return max(1, memory_bytes // sum(spec.bytes_per_block(block_size) for spec in specs))
 
 
 def allocate_kv_caches(
@@ -33,6 +33,21 @@ def allocate_kv_scales(
         torch.zeros(2, num_blocks, block_size, spec.num_kv_heads, dtype=torch.float32, device=device)
         if spec.scaled
         else None
+        for spec in specs
+    ]
+
+
+def allocate_key_summaries(
+    specs: list[KVCacheSpec], num_blocks: int, device: torch.device
+) -> list[torch.Tensor | None]:
+    """Per layer, its blocks' key summaries [2, num_blocks, num_kv_heads, head_dim] (selective
+    decode; a block's are set when its first slot is written), or None for a layer without."""
+    return [
+        None
+        if spec.summary_dtype is None
+        else torch.zeros(
+            2, num_blocks, spec.num_kv_heads, spec.head_dim, dtype=spec.summary_dtype, device=device
+        )
         for spec in specs
     ]
 

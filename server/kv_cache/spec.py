@@ -10,11 +10,15 @@ An fp8 cache (`--kv-cache-dtype fp8`) stores e4m3 values and, beside them, one f
 (token, KV head) row, set when the row is written: [2, num_blocks, block_size, num_kv_heads]
 (`kernels/fp8_format.quantize_kv`). A scale per row needs no calibration and never saturates; it
 costs 4 bytes a head_dim-long row (3% at 128).
+
+Where decode attention selects blocks (`--decode-attention-budget`), each full-attention layer also
+keeps a key summary per block: the channel-wise minimum and maximum of its keys, in the model's
+dtype, [2, num_blocks, num_kv_heads, head_dim] (`kernels/decode_selection.py`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -38,6 +42,7 @@ class KVCacheSpec:
     head_dim: int
     dtype: torch.dtype  # what the cache stores: the model's dtype, or fp8
     sliding_window: int | None = None
+    summary_dtype: torch.dtype | None = None  # the blocks' key summaries (selective decode), or none
 
     @property
     def kind(self) -> str:
@@ -49,8 +54,20 @@ class KVCacheSpec:
         return self.dtype == FP8
 
     def bytes_per_token(self) -> int:
+        """Keys and values (and an fp8 cache's scales); the block's summary is `summary_bytes`."""
         row = self.head_dim * self.dtype.itemsize + (4 if self.scaled else 0)
         return 2 * self.num_kv_heads * row
+
+    def summary_bytes(self) -> int:
+        """A block's key summary: minimum and maximum per KV head and channel."""
+        return (
+            0
+            if self.summary_dtype is None
+            else 2 * self.num_kv_heads * self.head_dim * self.summary_dtype.itemsize
+        )
+
+    def bytes_per_block(self, block_size: int) -> int:
+        return block_size * self.bytes_per_token() + self.summary_bytes()
 
 
 def _first_attr(config: Any, names: tuple[str, ...], default: Any = None) -> Any:
@@ -116,6 +133,13 @@ def kv_cache_specs(config: Any, dtype: torch.dtype, tensor_parallel_size: int = 
     return [KVCacheSpec(local, dim, dtype, window) for window in layer_sliding_windows(config)]
 
 
-def kv_bytes_per_token(specs: list[KVCacheSpec]) -> int:
-    """The keys and values one token holds across all layers."""
-    return sum(spec.bytes_per_token() for spec in specs)
+def with_key_summaries(specs: list[KVCacheSpec], dtype: torch.dtype) -> list[KVCacheSpec]:
+    """The specs with a key summary per block in `dtype` for every full-attention layer (sliding
+    window layers attend over their window only: nothing to select)."""
+    return [replace(spec, summary_dtype=dtype) if spec.sliding_window is None else spec for spec in specs]
+
+
+def kv_bytes_per_token(specs: list[KVCacheSpec], block_size: int) -> int:
+    """What one token holds across all layers: keys and values, scales, and its share of its
+    block's summaries (at blocks of `block_size`)."""
+    return -(-sum(spec.bytes_per_block(block_size) for spec in specs) // block_size)

@@ -72,14 +72,21 @@ class LlamaAttention(nn.Module):
         """keep: the rows whose output is used (every row's keys and values are cached).
 
         A step of more than ROWS_AT_ONCE rows computes its queries, keys and values a slice at a
-        time into whole-step tensors, attends over the whole step, and projects the output a slice
-        at a time into `hidden`, which it overwrites (its caller has no further use for it)."""
+        time into whole-step tensors, attends over the whole step (into `hidden`'s memory where the
+        backend can and the shapes allow), and projects the output a slice at a time into `hidden`,
+        which it overwrites (its caller has no further use for it)."""
         if hidden.shape[0] <= ROWS_AT_ONCE:
             q, k, v = self._qkv(positions, hidden)
             out = paged_attention(self.layer_idx, q, k, v, self.scale, rows=keep)
             return self.o_proj(out.reshape(-1, self.q_size))
         q, k, v = self._qkv_in_slices(positions, hidden)
-        out = paged_attention(self.layer_idx, q, k, v, self.scale, rows=keep).reshape(-1, self.q_size)
+        # The normed input is dead once projected: the output may take its place (o_proj reads a
+        # slice of it before that slice is written).
+        over_input = keep is None and self.q_size == hidden.shape[1] and hidden.is_contiguous()
+        buffer = hidden.view(-1, self.num_heads, self.head_dim) if over_input else None
+        out = paged_attention(self.layer_idx, q, k, v, self.scale, rows=keep, out=buffer).reshape(
+            -1, self.q_size
+        )
         del q, k, v  # stored in the KV cache: only the output goes on
         projected = hidden if keep is None else hidden.new_empty(out.shape[0], hidden.shape[1])
         for start in range(0, out.shape[0], ROWS_AT_ONCE):

@@ -297,7 +297,9 @@ def test_static_runner_with_the_hpu_backend_gives_the_cpu_tokens(arch, decode_gr
     expected, _ = serve_scenario(arch, None)
     stand_in = TorchStandInOps()
     monkeypatch.setattr(
-        model_shard, "attention_backend", lambda device, sparse=None: HpuAttentionBackend(stand_in)
+        model_shard,
+        "attention_backend",
+        lambda device, sparse=None, selection=None: HpuAttentionBackend(stand_in),
     )
     buckets = BucketConfig(
         token_step=16, batch_step=4, prefill_batch_step=2, decode_graphs_only=decode_graphs_only

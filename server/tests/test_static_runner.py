@@ -92,7 +92,11 @@ def test_bucketed_steps_through_the_cuda_backend_on_cpu(arch: str, monkeypatch: 
     from tgserve.server.engine import model_shard
 
     expected, _ = serve(arch, None)
-    monkeypatch.setattr(model_shard, "attention_backend", lambda device, sparse: CudaAttentionBackend(sparse))
+    monkeypatch.setattr(
+        model_shard,
+        "attention_backend",
+        lambda device, sparse, selection: CudaAttentionBackend(sparse, selection),
+    )
     got, engine = serve(arch, BUCKETS, warm_up=True)  # as on a GPU: its lone prompt is a fresh step
     assert isinstance(engine.runner.forward.backend, CudaAttentionBackend)
     assert got == expected

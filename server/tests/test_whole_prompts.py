@@ -58,7 +58,9 @@ def use_cuda_backend(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Engines built from here on take the cuda backend with EXACT_SPARSE in place of the cpu one;
     returns the lengths of the prompts that go through sparse attention (one entry per layer)."""
     monkeypatch.setattr(
-        model_shard, "attention_backend", lambda device, sparse: CudaAttentionBackend(EXACT_SPARSE)
+        model_shard,
+        "attention_backend",
+        lambda device, sparse, selection: CudaAttentionBackend(EXACT_SPARSE, selection),
     )
     sparse_lengths: list[int] = []
     sparse_one = dispatch._sparse_one
@@ -92,10 +94,16 @@ def test_a_long_prompt_runs_whole_and_sparse_while_others_run(monkeypatch: pytes
 def test_no_whole_prompts_without_sparse_prefill_or_with_static_shapes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(model_shard, "attention_backend", lambda device, sparse: CudaAttentionBackend(None))
+    monkeypatch.setattr(
+        model_shard,
+        "attention_backend",
+        lambda device, sparse, selection: CudaAttentionBackend(None, selection),
+    )
     assert engine().scheduler.config.whole_prompt_tokens is None
     monkeypatch.setattr(
-        model_shard, "attention_backend", lambda device, sparse: CudaAttentionBackend(EXACT_SPARSE)
+        model_shard,
+        "attention_backend",
+        lambda device, sparse, selection: CudaAttentionBackend(EXACT_SPARSE, selection),
     )
     assert engine(static_shapes=True).scheduler.config.whole_prompt_tokens is None
     assert (
@@ -112,7 +120,7 @@ def test_the_pool_is_sized_for_a_whole_prompt_or_long_prompts_are_chunked(
     prompts are chunked instead, and the log names the way out. The choice, on given profiles."""
     use_cuda_backend(monkeypatch)
     shard = engine().shard
-    one_request = shard.max_model_len * kv_bytes_per_token(shard.specs)
+    one_request = shard.max_model_len * kv_bytes_per_token(shard.specs, shard.args.block_size)
 
     def profile(kv_budget: int) -> MemoryProfile:
         return MemoryProfile(100 * GIB, GIB, GIB, 0, kv_budget)
@@ -168,3 +176,28 @@ def test_on_a_gpu_a_given_pool_size_keeps_long_prompts_chunked(
     with caplog.at_level(logging.WARNING):
         assert model_shard.ModelShard._whole_prompt_tokens(shard) == whole
     assert ("--max-batch-total-tokens" in caplog.text) == (whole is None)
+
+
+def test_a_whole_prompt_in_row_slices_attends_over_its_normed_input(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A whole prompt's step in row slices: its sparse attention writes over the layer's normed
+    input (no output tensor of its own) in every layer but the last, with the tokens unchanged."""
+    from tgserve.server.models import llama
+
+    prompts = {"short": list(range(5, 25)), "long": list(range(30, 130))}
+    expected, _ = serve(engine(), prompts)
+    use_cuda_backend(monkeypatch)
+    monkeypatch.setattr(llama, "ROWS_AT_ONCE", 30)  # the 100-token step in four slices
+    over_input = []
+    attend = llama.paged_attention
+
+    def spy(*args, out=None, **kwargs):
+        result = attend(*args, out=out, **kwargs)
+        if out is not None:
+            over_input.append(result.data_ptr() == out.data_ptr())
+        return result
+
+    monkeypatch.setattr(llama, "paged_attention", spy)
+    llm = engine()
+    got, _ = serve(llm, prompts)
+    assert got == expected
+    assert over_input == [True] * (llm.config.num_hidden_layers - 1)
