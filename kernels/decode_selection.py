@@ -91,7 +91,7 @@ class DecodeSelection:
 
     def selects(self, max_context: int) -> bool:
         """Whether a step whose contexts reach `max_context` selects at all: some context passes the
-        threshold. (A context within the budget then has every block chosen: the dense result.)"""
+        threshold. (A context within the budget then drops nothing and takes the dense path.)"""
         return max_context > self.min_context
 
 

@@ -73,7 +73,7 @@ def paged_context(inputs: PlantedDecode, block_size: int, seed: int = 0) -> tupl
     return cache, order[None].to(torch.int32), seq_lens, summary
 
 
-def oracle_scores(inputs: PlantedDecode, tables: torch.Tensor, selection: DecodeSelection, block_size: int):
+def oracle_scores(inputs: PlantedDecode, selection: DecodeSelection, block_size: int) -> torch.Tensor:
     """Block scores as `block_scores` forms them, but from each block's largest true logit instead of
     a bound on it: what a perfect estimate would choose at the same budget."""
     n, num_kv, dim = inputs.key.shape
@@ -82,14 +82,11 @@ def oracle_scores(inputs: PlantedDecode, tables: torch.Tensor, selection: Decode
     num_blocks = -(-n // block_size)
     padded = torch.full((num_kv, num_blocks * block_size), float("-inf"), device=logits.device)
     padded[:, :n] = logits
-    in_order = padded.view(num_kv, num_blocks, block_size).amax(-1)  # by position
-    blocks = torch.arange(num_blocks, device=logits.device)
-    forced = (blocks < selection.sink_blocks(block_size)) | (
-        blocks >= num_blocks - selection.recent_blocks(block_size)
-    )
-    in_order = torch.where(forced, float("inf"), in_order)
-    in_order[:, -1] = float("-inf")  # the current block is read anyway
-    return in_order[None]  # columns of the block table are positions' blocks in order
+    # Columns of the block table are the positions' blocks in order.
+    in_order = padded.view(num_kv, num_blocks, block_size).amax(-1)[None]
+    seq_lens = torch.tensor([n], device=logits.device)
+    return reference.forced_block_scores(in_order, seq_lens, block_size, selection.sink_blocks(block_size),
+                                         selection.recent_blocks(block_size))  # fmt: skip
 
 
 def selection_error(
@@ -100,7 +97,7 @@ def selection_error(
     cache, tables, seq_lens, summary = paged_context(inputs, block_size)
     if oracle:
         k = selection.chosen_blocks(block_size, tables.shape[1])
-        chosen = choose_blocks(oracle_scores(inputs, tables, selection, block_size), k)
+        chosen = choose_blocks(oracle_scores(inputs, selection, block_size), k)
     else:
         chosen = dispatch.select_decode_blocks(inputs.query, summary, tables, seq_lens, selection, cache)
     lengths = selection.lengths(seq_lens, block_size, tables.shape[1])

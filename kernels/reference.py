@@ -83,8 +83,20 @@ def block_scores(
     # max(q lo, q hi) = max(q, 0) hi + min(q, 0) lo: two products, nothing computed per key.
     bound = torch.einsum("skgd,swkd->skgw", q.clamp(min=0), high)
     bound = bound + torch.einsum("skgd,swkd->skgw", q.clamp(max=0), low)
-    scores = bound.amax(dim=2)
-    blocks = torch.arange(block_tables.shape[1], device=query.device)[None, :]
+    return forced_block_scores(bound.amax(dim=2), seq_lens, block_size, sink_blocks, recent_blocks)
+
+
+def forced_block_scores(
+    scores: torch.Tensor,  # float32 [num_seqs, num_kv_heads, width]: by block-table column
+    seq_lens: torch.Tensor,  # int32 [num_seqs]
+    block_size: int,
+    sink_blocks: int,
+    recent_blocks: int,
+) -> torch.Tensor:
+    """Scores with selection's fixed choices applied: +inf for the sink's and the recent window's
+    blocks (always read); -inf for the current block (read after the chosen ones) and past the
+    context."""
+    blocks = torch.arange(scores.shape[-1], device=scores.device)[None, :]
     num_blocks = (seq_lens.long()[:, None] + block_size - 1) // block_size
     forced = (blocks < sink_blocks) | (blocks >= num_blocks - recent_blocks)
     scores = torch.where(forced[:, None, :], float("inf"), scores)

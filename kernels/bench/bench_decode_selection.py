@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+from bench_gemv import graph_us  # this folder's graph timing
 
 from tgserve.kernels import dispatch
 from tgserve.kernels.block_scores import block_scores, candidate_scores
@@ -17,22 +18,8 @@ from tgserve.kernels.paged_decode import paged_decode
 
 
 def graphed_us(fn, layers: int = 32, replays: int = 20) -> float:
-    """Microseconds per call of fn, captured `layers` times in one graph."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(layers):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return 1e3 * start.elapsed_time(end) / (replays * layers)
+    """Microseconds per call of fn, captured `layers` times in one graph (a decode step's layers)."""
+    return graph_us([fn] * layers, replays)
 
 
 def measure(context: int, selection: DecodeSelection, fp8: bool) -> str:

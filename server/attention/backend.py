@@ -63,9 +63,9 @@ class AttentionBackend(ABC, Generic[Plan]):
     shape_only: bool = False
     # True when the backend writes and reads an fp8 KV cache (AttentionLayerParams.kv_scale).
     reads_fp8_kv: bool = False
-    # Selective decode attention (kernels/decode_selection.py), given to backends that run it.
+    # Selective decode attention (kernels/decode_selection.py), given to the backends that run it
+    # (cpu and cuda; the shard keeps decode dense on the others).
     selection: DecodeSelection | None = None
-    selects_decode_blocks: bool = False
 
     @property
     def whole_prompt_tokens(self) -> int | None:

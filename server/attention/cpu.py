@@ -204,7 +204,6 @@ class CpuAttentionBackend(AttentionBackend[CpuStepPlan]):
 
     name = "cpu"
     reads_fp8_kv = True
-    selects_decode_blocks = True
 
     def __init__(self, selection: DecodeSelection | None = None) -> None:
         self.selection = selection

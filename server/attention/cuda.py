@@ -45,8 +45,12 @@ class LongDecodes:
     context of one token (`prefill_seq_lens`), its output for their rows replaced."""
 
     rows: torch.Tensor  # int64 [n]: their query rows
-    seqs: torch.Tensor  # int64 [n]: their sequences
     prefill_seq_lens: torch.Tensor  # int32 [num_seqs]: seq_lens, 1 at theirs
+    # As decode sequences of their own, once a step for every layer: their block tables and
+    # context lengths, and the tokens their chosen blocks hold (`DecodeSelection.lengths`).
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    lengths: torch.Tensor
 
 
 def long_decodes(metadata: AttentionMetadata, selection: DecodeSelection) -> LongDecodes | None:
@@ -58,7 +62,10 @@ def long_decodes(metadata: AttentionMetadata, selection: DecodeSelection) -> Lon
     index = torch.tensor(seqs, device=device)
     prefill_seq_lens = metadata.seq_lens.clone()
     prefill_seq_lens[index] = 1
-    return LongDecodes(torch.tensor([starts[i] for i in seqs], device=device), index, prefill_seq_lens)
+    tables, seq_lens = metadata.block_tables[index], metadata.seq_lens[index]
+    lengths = selection.lengths(seq_lens, metadata.block_size, tables.shape[1])
+    rows = torch.tensor([starts[i] for i in seqs], device=device)
+    return LongDecodes(rows, prefill_seq_lens, tables, seq_lens, lengths)
 
 
 @dataclass
@@ -101,7 +108,6 @@ class CudaAttentionBackend(AttentionBackend[CudaStepPlan]):
 
     name = "cuda"
     reads_fp8_kv = True
-    selects_decode_blocks = True
 
     def __init__(self, sparse: SparseConfig | None = None, selection: DecodeSelection | None = None) -> None:
         self.sparse = sparse
@@ -169,21 +175,20 @@ class CudaAttentionBackend(AttentionBackend[CudaStepPlan]):
             kv_scale=layer.kv_scale,
         )
         if decodes is not None:
-            out[decodes.rows] = self._selective_decode(
-                query[decodes.rows], kv_cache, metadata, layer, decodes.seqs
-            )
+            out[decodes.rows] = self._selective_decode(query[decodes.rows], kv_cache, layer, decodes)
         return out
 
-    def _selective_decode(self, query, kv_cache, metadata: AttentionMetadata, layer: AttentionLayerParams,
-                          seqs: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        """Decode queries of sequences `seqs` (their keys already stored) over their chosen blocks."""
-        tables, seq_lens = metadata.block_tables[seqs], metadata.seq_lens[seqs]
+    def _selective_decode(
+        self, query, kv_cache, layer: AttentionLayerParams, decodes: LongDecodes
+    ) -> torch.Tensor:
+        """A mixed step's selecting decode queries (their keys already stored) over their chosen blocks."""
+        tables, seq_lens = decodes.block_tables, decodes.seq_lens
         chosen = dispatch.select_decode_blocks(query, layer.key_summary, tables, seq_lens, self.selection, kv_cache,
                                                layer.kv_scale)  # fmt: skip
-        selection = (chosen, self.selection.lengths(seq_lens, metadata.block_size, tables.shape[1]))
         bound = max(self.selection.min_context, self.selection.budget)
         return dispatch.paged_decode(query, kv_cache, tables, seq_lens, layer.scale, None, layer.softcap,
-                                     max_seq_len=bound, kv_scale=layer.kv_scale, selection=selection)  # fmt: skip
+                                     max_seq_len=bound, kv_scale=layer.kv_scale,
+                                     selection=(chosen, decodes.lengths))  # fmt: skip
 
     def forward_rows(self, query, key, value, kv_cache, plan: CudaStepPlan, layer: AttentionLayerParams,
                      rows: torch.Tensor) -> torch.Tensor:  # fmt: skip
@@ -215,7 +220,5 @@ class CudaAttentionBackend(AttentionBackend[CudaStepPlan]):
             kv_scale=layer.kv_scale,
         )
         if decodes is not None:
-            out[at.int().argmax(0)] = self._selective_decode(
-                query[decodes.rows], kv_cache, metadata, layer, decodes.seqs
-            )
+            out[at.int().argmax(0)] = self._selective_decode(query[decodes.rows], kv_cache, layer, decodes)
         return out

@@ -14,7 +14,7 @@ def attention_backend(
     device: torch.device, sparse: SparseConfig | None = None, selection: DecodeSelection | None = None
 ) -> AttentionBackend:
     """The backend for a device; each is imported only when chosen. `selection` (selective decode)
-    is given to the backends that run it (cpu, cuda); the engine refuses it for the others."""
+    is given to the backends that run it (cpu, cuda); on others the shard keeps decode dense."""
     if device.type == "cuda":
         from tgserve.kernels.triton_support import check_triton, installed_triton
         from tgserve.server.attention.cuda import CudaAttentionBackend
