@@ -35,7 +35,13 @@ GIB = 1 << 30
 
 
 def serve_one(
-    context: int, kv_cache_dtype: str, budget: int, new_tokens: int, layers: int, utilization: float
+    context: int,
+    kv_cache_dtype: str,
+    budget: int,
+    new_tokens: int,
+    layers: int,
+    utilization: float,
+    profile: Path | None = None,
 ) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
@@ -59,6 +65,13 @@ def serve_one(
         "long", prompt, SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
     )
     stamps = []
+    if profile is not None:  # the prompt's step, its kernels totalled (the time to first token grows)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            while not stamps:
+                if engine.step():
+                    stamps.append(time.perf_counter())
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90)
+        profile.write_text(table)
     while engine.has_unfinished_requests():
         if engine.step():
             stamps.append(time.perf_counter())
@@ -86,12 +99,23 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--profile-dir", type=Path, help="write each run's prompt-step kernel totals here")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         dtype, context, budget = (args.one + ":0").split(":")[:3]
+        profile = None
+        if args.profile_dir:
+            args.profile_dir.mkdir(parents=True, exist_ok=True)
+            profile = args.profile_dir / f"prompt-step-{dtype}-{context}-{budget}.txt"
         result = serve_one(
-            int(context), dtype, int(budget), args.new_tokens, args.layers, args.gpu_memory_utilization
+            int(context),
+            dtype,
+            int(budget),
+            args.new_tokens,
+            args.layers,
+            args.gpu_memory_utilization,
+            profile,
         )
         print(json.dumps(result), flush=True)
         return

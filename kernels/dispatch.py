@@ -30,7 +30,7 @@ import torch
 
 from tgserve.kernels import reference
 from tgserve.kernels.decode_selection import DecodeSelection, choose_blocks
-from tgserve.kernels.decode_selection import update_key_summaries as update_key_summaries
+from tgserve.kernels.decode_selection import update_key_summaries as reference_update_key_summaries
 from tgserve.kernels.sparse.config import SparseConfig
 
 
@@ -54,6 +54,21 @@ def write_kv(
         triton_write_kv(key, value, kv_cache, slot_mapping, kv_scale)
     else:
         reference.write_kv(key, value, kv_cache, slot_mapping, kv_scale)
+
+
+def update_key_summaries(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # int64 [num_tokens], -1: not stored
+    key_summary: torch.Tensor,  # [2, num_blocks, num_kv_heads, head_dim]
+    block_size: int,
+) -> None:
+    """Fold a step's keys into their blocks' key minimum and maximum (`decode_selection`)."""
+    if use_triton(key):
+        from tgserve.kernels.summary_fold import fold_key_summaries
+
+        fold_key_summaries(key, slot_mapping, key_summary, block_size)
+    else:
+        reference_update_key_summaries(key, slot_mapping, key_summary, block_size)
 
 
 def paged_decode(

@@ -91,6 +91,7 @@ def _decode_kernel(
     SCALED: tl.constexpr = False,
     SELECT: tl.constexpr = False,
     SUMMARY: tl.constexpr = False,
+    F16_PRODUCTS: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
@@ -124,6 +125,8 @@ def _decode_kernel(
     q = tl.load(
         q_ptr + seq * stride_qs + heads[:, None] * stride_qh + dims[None, :], mask=row_mask, other=0.0
     )
+    if F16_PRODUCTS:
+        q = q.to(tl.float16)
 
     # This sequence's context in num_splits whole tiles' worth each: splits past its end have nothing.
     partition = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
@@ -164,16 +167,25 @@ def _decode_kernel(
         kv_mask = in_ctx[:, None] & dim_ok[None, :]
         k = tl.load(k_ptr + base[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + base[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        if SCALED:  # fp8 in the cache, one float32 scale a (token, KV head): dequantized in registers
+        mask = in_ctx & (pos >= first)
+        if SCALED:  # fp8 in the cache, one float32 scale a (token, KV head)
             # The scales are contiguous: a slot's row of KV heads at slot * num_kv_heads.
             scale_at = (page * BLOCK_SIZE + pos % BLOCK_SIZE) * num_kv_heads + kv_head
             k_scale = tl.load(ks_ptr + scale_at, mask=in_ctx, other=0.0)
             v_scale = tl.load(vs_ptr + scale_at, mask=in_ctx, other=0.0)
-            k = (k.to(tl.float32) * k_scale[:, None]).to(q.dtype)
-            v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
-        mask = in_ctx & (pos >= first)
-        acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k, v, mask[None, :], sm_scale, softcap,
-                                    USE_SOFTCAP, PRECISION)  # fmt: skip
+        if F16_PRODUCTS:
+            # e4m3 widens to f16 exactly, two values an instruction: the keys enter the product
+            # as stored and their scales multiply the scores ([rows, tile], not [tile, head_dim]);
+            # the values are scaled in f16, which holds 3 more mantissa bits than bf16.
+            v = v.to(tl.float16) * v_scale[:, None].to(tl.float16)
+            acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k.to(tl.float16), v, mask[None, :], sm_scale, softcap,
+                                        USE_SOFTCAP, PRECISION, k_scale=k_scale)  # fmt: skip
+        else:
+            if SCALED:  # a float32 query: dequantized to its dtype
+                k = (k.to(tl.float32) * k_scale[:, None]).to(q.dtype)
+                v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
+            acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k, v, mask[None, :], sm_scale, softcap,
+                                        USE_SOFTCAP, PRECISION)  # fmt: skip
 
     if SPLIT:
         # Every split stores, an empty one (past a short context or before the window) included:
@@ -338,6 +350,11 @@ def split_counters(device: torch.device, slots: int) -> torch.Tensor:
 
 MAX_AUTO_SPLITS = 64
 GPU_BLOCK_N = 64  # keys a tile on a GPU; the interpreter takes 16 to stay fast
+# Over an fp8 cache, tiles of 128 keys: each tile's scales are gathered a key at a time, and twice
+# the keys a tile halve those rounds. On an H200 (32 heads, 8 KV heads of 128) a layer's decode
+# took 1,067 us instead of 1,610 at batch 1 and 1M tokens (bf16's: 1,080), 175 instead of 256 at
+# batch 256 and 640 tokens (bf16's: 161) (docs/benchmarks/2026-12-03-fp8-decode-and-1m-prefill-h200.md).
+GPU_FP8_BLOCK_N = 128
 
 
 def choose_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_n: int) -> int:
@@ -385,7 +402,7 @@ def paged_decode(
     if num_seqs == 0:
         return out
     assert query.stride(2) == 1 and kv_cache.stride(4) == 1 and out.stride(2) == 1
-    block_n = block_n or (16 if interpreting() else GPU_BLOCK_N)
+    block_n = block_n or (16 if interpreting() else GPU_BLOCK_N if kv_scale is None else GPU_FP8_BLOCK_N)
     max_context = max_seq_len or block_tables.shape[1] * block_size
     splits = num_splits or choose_splits(num_seqs, num_kv_heads, max_context, block_n)
     block_d = triton.next_power_of_2(head_dim)
@@ -418,6 +435,7 @@ def paged_decode(
         SPLIT=splits > 1, PRECISION=dot_precision(query.dtype),
         BLOCK_S=block_s, MERGE_ROWS=merge_rows, WRITE=step_kv is not None, SCALED=kv_scale is not None,
         SELECT=selection is not None, SUMMARY=step_kv is not None and key_summary is not None,
+        F16_PRODUCTS=kv_scale is not None and query.dtype != torch.float32,
         **pdl(query),
     )  # fmt: skip
     return out

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from tgserve.kernels.fp8_format import quantize_rows
+
 
 def host_values(values: list[int], device: torch.device) -> torch.Tensor:
     """Per-head budgets onto the device without a blocking copy (which would stall the host
@@ -145,6 +147,11 @@ def pooled_mean_scores(q: torch.Tensor, k: torch.Tensor, scale: float, block: in
     return scores.masked_fill(~block_causal(km.shape[0], q.device), float("-inf"))
 
 
+def fp8_products(key: torch.Tensor) -> bool:
+    """Whether the rescue estimate multiplies in e4m3 (pooled.py): from 16-bit inputs."""
+    return key.dtype in (torch.bfloat16, torch.float16)
+
+
 def pooled_max_scores(
     q: torch.Tensor, k: torch.Tensor, scale: float, block: int, skip_keys: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -152,13 +159,20 @@ def pooled_max_scores(
 
     Max- rather than mean-pooling the keys keeps a single salient key (a needle) visible.
     skip_keys (bool [G, n]) removes keys the pattern already holds as columns (sinks, verticals),
-    so that they do not win blocks that add nothing.
+    so that they do not win blocks that add nothing. From 16-bit inputs the block means and keys
+    are rounded to e4m3 rows first, as the Triton kernel multiplies them (`fp8_products`).
     """
     n = q.shape[0]
     nq = -(-n // block)
     qm = block_means(q, block).transpose(0, 1)  # [G, Q, d]
     per_key = torch.full((q.shape[1], nq, nq * block), float("-inf"), device=q.device)
-    per_key[..., :n] = (qm @ k.float().t()) * scale
+    if fp8_products(k):
+        qm8 = quantize_rows(qm.reshape(-1, qm.shape[-1]))[0]  # unscaled: one positive factor a row
+        k8, k_scale = quantize_rows(k)
+        product = (qm8.float() @ k8.float().t()) * k_scale.t()  # e4m3 products are exact in float32
+        per_key[..., :n] = product.view(*qm.shape[:2], n) * scale
+    else:
+        per_key[..., :n] = (qm @ k.float().t()) * scale
     if skip_keys is not None:
         per_key[..., :n].masked_fill_(skip_keys[:, None, :], float("-inf"))
     scores = per_key.view(q.shape[1], nq, nq, block).amax(-1)

@@ -203,10 +203,10 @@ def accuracy_run(
 
 def needle_run(
     n: int, num_heads: int, num_kv_heads: int, head_dim: int, seed: int, pattern: HeadPattern, block: int = 64,
-    plant: Planted = Planted(), device: str = "cpu", use_triton: bool = False,
+    plant: Planted = Planted(), device: str = "cpu", use_triton: bool = False, dtype: torch.dtype = torch.float32,
 ) -> float:  # fmt: skip
     """Needle recall of one planted prompt (estimation only: cheap enough for 100 seeds)."""
-    prompt = planted_prompt(n, num_heads, num_kv_heads, head_dim, seed, plant, torch.float32, device)
+    prompt = planted_prompt(n, num_heads, num_kv_heads, head_dim, seed, plant, dtype, device)
     index = estimate_index(prompt.query, prompt.key, prompt.scale, [pattern] * num_heads, block,
                            use_triton=use_triton)  # fmt: skip
     return needle_recall(prompt, index)

@@ -11,6 +11,7 @@ from tgserve.kernels.block_scores import block_scores, candidate_scores
 from tgserve.kernels.decode_selection import DecodeSelection, update_key_summaries
 from tgserve.kernels.decode_synthetic import FAMILIES, PLANTED, planted_decode, selection_error
 from tgserve.kernels.paged_decode import paged_decode
+from tgserve.kernels.summary_fold import fold_key_summaries
 from tgserve.kernels.testing import make_paged_batch, rel_l2, with_fp8_cache
 
 
@@ -41,6 +42,30 @@ def test_summaries_are_each_blocks_key_minimum_and_maximum_over_chunks_and_reuse
         rows = keys[b * block_size : min(10, (b + 1) * block_size)]
         torch.testing.assert_close(summary[0, block], rows.amin(0), rtol=0, atol=0)
         torch.testing.assert_close(summary[1, block], rows.amax(0), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fold_kernel_matches_the_twin_over_chunks_reuse_prefix_hits_and_padding(device, dtype):
+    gen = torch.Generator().manual_seed(3)
+    block_size, num_blocks, num_kv, dim = 8, 12, 2, 24  # head_dim not a power of two
+    # Summaries are bf16 as served; the interpreter rounds to bf16 wrongly, so on CPU they are fp16.
+    summary_dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    stale = torch.randn(2, num_blocks, num_kv, dim, generator=gen).to(summary_dtype)
+    want, got = stale.clone(), stale.clone().to(device)
+    # Two sequences' rows in one step, then more: a step starting mid-block, a block held before by
+    # another sequence (fresh again), rows already cached (slot -1) and padding at the end.
+    tables = [torch.tensor([7, 2, 9, 4]), torch.tensor([0, 11, 5])]
+    steps = [[(0, 0, 11), (1, 0, 17)], [(0, 11, 25), (1, 17, 20)], [(1, 20, 21)]]
+    for step in steps:
+        slots = [tables[s][torch.arange(a, b) // block_size] * block_size + torch.arange(a, b) % block_size
+                 for s, a, b in step]  # fmt: skip
+        slots = torch.cat(slots + [torch.tensor([-1, -1])])
+        slots[0] = -1 if len(step) > 1 and step[0][1] > 0 else slots[0]
+        keys = (torch.randn(len(slots), num_kv, dim, generator=gen) * 4).to(dtype)
+        update_key_summaries(keys, slots, want, block_size)
+        fold_key_summaries(keys.to(device), slots.to(device), got, block_size)
+    torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0)
+    assert not torch.equal(want, stale)
 
 
 def test_block_score_bounds_every_key_of_its_block_and_forces_sink_and_recent():

@@ -57,7 +57,9 @@ def test_sparse_accuracy_32k_gpu(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.slow
-def test_needle_32k_gpu_100_seeds():
-    recalls = [needle_run(seed=seed, device="cuda", use_triton=True, **{**FULL, "num_heads": 4, "num_kv_heads": 1})
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: the rescue's e4m3 products
+def test_needle_32k_gpu_100_seeds(dtype):
+    recalls = [needle_run(seed=seed, device="cuda", use_triton=True, dtype=dtype,
+                          **{**FULL, "num_heads": 4, "num_kv_heads": 1})
                for seed in range(100)]  # fmt: skip
     assert sum(r >= 0.9 for r in recalls) >= 99, sorted(recalls)[:5]
