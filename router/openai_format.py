@@ -119,13 +119,19 @@ def chat_logprobs(tokenizer: RouterTokenizer, tokens: list[TokenInfo]) -> dict[s
     return {"content": content}
 
 
-def chat_choice(index: int, text: str, logprobs: dict[str, Any] | None, reason: str | None) -> dict[str, Any]:
-    return {
-        "index": index,
-        "message": {"role": "assistant", "content": text},
-        "logprobs": logprobs,
-        "finish_reason": finish_reason(reason),
-    }
+def chat_choice(
+    index: int,
+    text: str | None,
+    logprobs: dict[str, Any] | None,
+    reason: str | None,
+    tool_calls: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """A whole reply: its text, or the functions it calls (finish reason "tool_calls")."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+        reason = "tool_calls"
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
 
 
 def chat_chunk_choice(

@@ -15,10 +15,13 @@ from tgserve.router.http import EventStreamResponse, parse_json, sse, until_disc
 from tgserve.router.openai_schemas import (
     ChatCompletionRequest,
     CompletionRequest,
+    chat_tool_calling,
     openai_sampling,
     template_messages,
+    template_tools,
 )
 from tgserve.router.state import RouterState, router_state, start_generation
+from tgserve.router.tools import read_reply
 from tgserve.router.validation import GenerationSpec, build_spec
 
 router = APIRouter()
@@ -162,21 +165,30 @@ async def completions(request: Request) -> Response:
 
 
 def chat_specs(state: RouterState, request: ChatCompletionRequest) -> list[GenerationSpec]:
-    prompt_ids = state.tokenizer.encode_chat(template_messages(request))
+    calling = chat_tool_calling(request)
+    prompt_ids = state.tokenizer.encode_chat(template_messages(request), template_tools(request))
     max_tokens = request.max_completion_tokens or request.max_tokens
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     if request.top_logprobs and not request.logprobs:
         raise ValidationError("top_logprobs needs logprobs=true", param="top_logprobs")
-    sampling = openai_sampling(request, state.config, max_tokens, logprobs, request.n)
+    guided = None if calling is None else calling.guided()
+    sampling = openai_sampling(request, state.config, max_tokens, logprobs, request.n, guided=guided)
     return [build_spec(state.config, state.tokenizer, prompt_ids, sampling, include_stop=False)]
 
 
 def chat_body(state: RouterState, request: ChatCompletionRequest, generation: Generation) -> dict[str, Any]:
     body = fmt.envelope("chat.completion", fmt.new_id("chatcmpl"), state.model_name)
+    calls = chat_tool_calling(request) is not None
     choices = []
     for seq in generation.sequences:
         logprobs = fmt.chat_logprobs(state.tokenizer, seq.tokens) if request.logprobs else None
-        choices.append(fmt.chat_choice(seq.index, seq.text, logprobs, seq.finish_reason))
+        if calls:
+            reply = read_reply(seq.text)
+            choices.append(
+                fmt.chat_choice(seq.index, reply.content, logprobs, seq.finish_reason, reply.tool_calls)
+            )
+        else:
+            choices.append(fmt.chat_choice(seq.index, seq.text, logprobs, seq.finish_reason))
     body["choices"] = choices
     body["usage"] = fmt.usage(generation)
     return body
@@ -195,6 +207,13 @@ async def chat_events(
         # The role comes first, once per choice, as OpenAI sends it.
         for seq in generation.sequences:
             yield chunk([fmt.chat_chunk_choice(seq.index, {"role": "assistant", "content": ""}, None, None)])
+        if chat_tool_calling(request) is not None:
+            async for choice in tool_call_choices(state, request, generation):
+                yield chunk([choice])
+            if include_usage:
+                yield sse({**head, "choices": [], "usage": fmt.usage(generation)})
+            yield sse("[DONE]")
+            return
         async for _, delta in generation.deltas():
             logprobs = None
             if request.logprobs and delta.tokens:
@@ -208,6 +227,29 @@ async def chat_events(
     except RouterError as exc:
         yield sse(exc.openai_body())
     yield sse("[DONE]")
+
+
+async def tool_call_choices(
+    state: RouterState, request: ChatCompletionRequest, generation: Generation
+) -> AsyncIterator[dict[str, Any]]:
+    """A reply that may call functions is JSON until it ends, so each choice's reply is held back and
+    sent once, as its calls (`delta.tool_calls`, each whole) or its content, with its finish reason."""
+    texts: dict[int, str] = {}
+    tokens: dict[int, list[Any]] = {}
+    async for _, delta in generation.deltas():
+        texts[delta.index] = texts.get(delta.index, "") + delta.text
+        tokens.setdefault(delta.index, []).extend(delta.tokens)
+        if delta.finish_reason is None:
+            continue
+        reply = read_reply(texts[delta.index])
+        logprobs = fmt.chat_logprobs(state.tokenizer, tokens[delta.index]) if request.logprobs else None
+        if reply.tool_calls:
+            calls = [{"index": i, **call} for i, call in enumerate(reply.tool_calls)]
+            yield fmt.chat_chunk_choice(delta.index, {"tool_calls": calls}, logprobs, "tool_calls")
+        else:
+            yield fmt.chat_chunk_choice(
+                delta.index, {"content": reply.content}, logprobs, delta.finish_reason
+            )
 
 
 @router.post("/v1/chat/completions")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -9,7 +10,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tgserve.router.config import RouterConfig
 from tgserve.router.errors import ValidationError
 from tgserve.router.guided import ResponseFormat, response_format_guided
+from tgserve.router.tools import Tool, ToolCalling, ToolChoice, tool_calling
 from tgserve.router.validation import SamplingRequest, sampling_params
+from tgserve.server.protocol.params import GuidedDecoding
 
 # Unknown fields are ignored (OpenAI clients send many); known ones are type-checked strictly.
 STRICT = ConfigDict(extra="ignore", strict=True)
@@ -86,7 +89,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -118,8 +123,10 @@ def openai_sampling(
     logprobs: int | None,
     n: int,
     prompt_logprobs: int | None = None,
+    guided: GuidedDecoding | None = None,
 ) -> SamplingRequest:
-    """Translate the shared fields; `n` here is the number of engine requests per prompt."""
+    """Translate the shared fields; `n` here is the number of engine requests per prompt. guided:
+    what the reply must follow when not `response_format` (a tool call's grammar)."""
     if n > config.max_n:
         raise ValidationError(f"n is {n}, more than the server's limit of {config.max_n}", param="n")
     temperature = 1.0 if request.temperature is None else request.temperature
@@ -138,7 +145,7 @@ def openai_sampling(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         logit_bias=logit_bias(request.logit_bias),
-        guided=response_format_guided(request.response_format),
+        guided=guided or response_format_guided(request.response_format),
     )
     return SamplingRequest(params, max_tokens, n)
 
@@ -155,14 +162,65 @@ def message_text(message: ChatMessage) -> str:
     return "".join(texts)
 
 
+def chat_tool_calling(request: ChatCompletionRequest) -> ToolCalling | None:
+    """The function calling a chat request asks for (`tools.py`); None for a plain-text reply."""
+    calling = tool_calling(request.tools, request.tool_choice, request.parallel_tool_calls)
+    if calling is not None and request.response_format is not None and request.response_format.type != "text":
+        raise ValidationError(
+            "response_format cannot be combined with tools: a reply that may call them follows their own "
+            "format (set tool_choice to 'none' for a response_format reply)",
+            param="response_format",
+        )
+    return calling
+
+
+def template_tools(request: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    """The tools as the chat template's `tools` takes them, when the reply may call them."""
+    if chat_tool_calling(request) is None:
+        return None
+    return [tool.model_dump(exclude_none=True) for tool in request.tools or []]
+
+
 def template_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """Messages as the chat template expects them."""
-    if request.tools:
-        raise ValidationError("`tools` (function calling) is not supported by this server", param="tools")
-    messages = []
-    for message in request.messages:
-        item: dict[str, Any] = {"role": message.role, "content": message_text(message)}
-        if message.name:
-            item["name"] = message.name
-        messages.append(item)
+    """Messages as the chat template expects them: earlier tool calls with their arguments as
+    objects (as transformers' templates read them), tool results with their call's id, and, when
+    the reply may call functions, the instruction that shows them (`tools.py`)."""
+    messages = [_template_message(message) for message in request.messages]
+    calling = chat_tool_calling(request)
+    if calling is not None:
+        if messages[0]["role"] in ("system", "developer"):
+            messages[0]["content"] = f"{messages[0]['content']}\n\n{calling.instruction()}".lstrip()
+        else:
+            messages.insert(0, {"role": "system", "content": calling.instruction()})
     return messages
+
+
+def _template_message(message: ChatMessage) -> dict[str, Any]:
+    item: dict[str, Any] = {"role": message.role, "content": message_text(message)}
+    if message.name:
+        item["name"] = message.name
+    extra = message.model_extra or {}
+    if message.role == "tool" and isinstance(extra.get("tool_call_id"), str):
+        item["tool_call_id"] = extra["tool_call_id"]
+    if message.role == "assistant" and extra.get("tool_calls"):
+        item["tool_calls"] = [_template_call(call) for call in extra["tool_calls"]]
+    return item
+
+
+def _template_call(call: Any) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ValidationError("an assistant message's tool_calls need function.name", param="messages")
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError as exc:
+            raise ValidationError(
+                f"the arguments of the earlier call to {function['name']!r} are not JSON", param="messages"
+            ) from exc
+    return {
+        "id": call.get("id"),
+        "type": "function",
+        "function": {"name": function["name"], "arguments": arguments},
+    }

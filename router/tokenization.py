@@ -136,14 +136,21 @@ class RouterTokenizer:
                     param=param,
                 )
 
-    def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render messages with the model's own Jinja chat template, exactly as transformers does."""
+    def chat_prompt(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """Render messages (and the tools a reply may call, for templates that show them) with the
+        model's own Jinja chat template, exactly as transformers does."""
         render_jinja_template = chat_renderer()
         if not self.chat_template:
             raise ValidationError("this model has no chat template; use /v1/completions", param="messages")
         try:
             rendered, _ = render_jinja_template(
                 conversations=[messages],
+                tools=tools,
                 chat_template=self.chat_template,
                 add_generation_prompt=add_generation_prompt,
                 **self.special_tokens,
@@ -165,9 +172,11 @@ class RouterTokenizer:
         except ValidationError:
             pass
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """Template then tokenize; the template already wrote the special tokens it wants."""
-        return self.encode(self.chat_prompt(messages), add_special_tokens=False)
+        return self.encode(self.chat_prompt(messages, tools=tools), add_special_tokens=False)
 
     def offsets(self, text: str, add_special_tokens: bool = True) -> list[tuple[int, int, int]]:
         """(id, start, stop) character offsets of each token of text, for TGI's /tokenize."""

@@ -1,0 +1,173 @@
+"""OpenAI's function calling: `tools`, `tool_choice`, `parallel_tool_calls`, enforced by a grammar.
+
+As TGI does, the reply is JSON that guided decoding holds to the offered functions, whatever the
+model's chat template knows of tools: `{"tool_calls": [{"name": ..., "arguments": {...}}]}`, at most
+one call unless `parallel_tool_calls`, each call's arguments following its function's `parameters`
+schema; with `tool_choice` "auto" the model may instead answer `{"content": "..."}`. The functions
+reach the model twice: through the chat template's `tools` (templates that know them render them
+their own way) and in an instruction that names the reply's format, which every template shows.
+The reply is parsed back into `message.tool_calls` (arguments as a JSON string, as OpenAI sends them)
+with finish_reason "tool_calls".
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tgserve.router.errors import ValidationError
+from tgserve.router.guided import checked
+from tgserve.server.protocol.params import GuidedDecoding
+
+STRICT = ConfigDict(extra="ignore", strict=True)
+NO_PARAMETERS = {"type": "object", "properties": {}}
+# The reply is read back and sent re-serialized, so its layout is never seen: one line, with
+# llguidance's fixed separators, spends no tokens on indentation (SmolLM2 otherwise pretty-prints
+# until max_tokens cuts it).
+ONE_LINE = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+
+
+class FunctionDefinition(BaseModel):
+    model_config = STRICT
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # the arguments follow `parameters` whatever it says
+
+
+class Tool(BaseModel):
+    model_config = STRICT
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = STRICT
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """`{"type": "function", "function": {"name": ...}}`: this function must be called."""
+
+    model_config = STRICT
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+@dataclass(frozen=True)
+class ToolCalling:
+    """The functions a request's reply may call, and how: its grammar and the instruction shown."""
+
+    functions: list[FunctionDefinition]
+    may_answer: bool  # tool_choice "auto": a plain answer instead of calls
+    parallel: bool
+
+    def guided(self) -> GuidedDecoding:
+        """The reply's grammar, compiled once here: a `parameters` schema that cannot be enforced is a 400."""
+        return checked(GuidedDecoding("json_schema", json.dumps(self.schema())), "tools")
+
+    def schema(self) -> dict[str, Any]:
+        calls = [_call_schema(f) for f in self.functions]
+        call = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        items: dict[str, Any] = {"type": "array", "items": call, "minItems": 1}
+        if not self.parallel:
+            items["maxItems"] = 1
+        reply = _object({"tool_calls": items})
+        if self.may_answer:
+            reply = {"anyOf": [reply, _object({"content": {"type": "string"}})]}
+        return {**reply, "x-guidance": ONE_LINE}
+
+    def instruction(self) -> str:
+        """The system instruction that shows the functions and the reply's format."""
+        listed = json.dumps(
+            [{"type": "function", "function": f.model_dump(exclude_none=True)} for f in self.functions]
+        )
+        many = "one or more calls" if self.parallel else "exactly one call"
+        text = (
+            f"You can call these functions:\n{listed}\n"
+            f'Reply with JSON only: {{"tool_calls": [{{"name": <function name>, "arguments": {{<its arguments>}}}}]}}'
+            f", with {many}."
+        )
+        if self.may_answer:
+            text += ' When no function helps, reply {"content": <your answer>} instead.'
+        return text
+
+
+def _object(properties: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": list(properties),
+        "additionalProperties": False,
+    }
+
+
+def _call_schema(function: FunctionDefinition) -> dict[str, Any]:
+    return _object({"name": {"const": function.name}, "arguments": function.parameters or NO_PARAMETERS})
+
+
+def tool_calling(
+    tools: list[Tool] | None, choice: ToolChoice | None, parallel: bool | None
+) -> ToolCalling | None:
+    """What a request's `tools`, `tool_choice` and `parallel_tool_calls` ask for; None when the reply
+    is plain text (no tools, or tool_choice "none"). A named function must be among the tools."""
+    if not tools:
+        if choice is not None and choice != "none":
+            raise ValidationError("tool_choice needs tools", param="tool_choice")
+        return None
+    names = [t.function.name for t in tools]
+    if len(set(names)) < len(names):
+        raise ValidationError("tools name a function more than once", param="tools")
+    choice = choice or "auto"
+    if choice == "none":
+        return None
+    functions = [t.function for t in tools]
+    if isinstance(choice, NamedToolChoice):
+        functions = [f for f in functions if f.name == choice.function.name]
+        if not functions:
+            raise ValidationError(
+                f"tool_choice names {choice.function.name!r}, which is not among the tools ({', '.join(names)})",
+                param="tool_choice",
+            )
+    return ToolCalling(functions, may_answer=choice == "auto", parallel=parallel is not False)
+
+
+@dataclass(frozen=True)
+class ToolReply:
+    """A reply read back: its calls in OpenAI's shape, or its plain content."""
+
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None
+
+
+def read_reply(text: str) -> ToolReply:
+    """The calls of a guided reply; text that is not a whole reply (cut short by max_tokens or a
+    stop string) stays content, as the model wrote it."""
+    try:
+        reply = json.loads(text)
+    except ValueError:
+        return ToolReply(text, None)
+    if isinstance(reply, dict) and isinstance(reply.get("tool_calls"), list):
+        return ToolReply(None, [_openai_call(call) for call in reply["tool_calls"]])
+    if isinstance(reply, dict) and isinstance(reply.get("content"), str):
+        return ToolReply(reply["content"], None)
+    return ToolReply(text, None)
+
+
+def _openai_call(call: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])},
+    }
