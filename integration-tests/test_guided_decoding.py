@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import jsonschema
@@ -49,6 +50,24 @@ def test_json_schema_streamed_and_not_give_the_same_valid_text(client, seed):
     jsonschema.validate(json.loads(text), SCHEMA)
     stream = client.chat.completions.create(response_format=RESPONSE_FORMAT, stream=True, **args)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
+
+
+def test_fifty_sampled_completions_all_follow_the_schema(client):
+    """Nested objects, an enum, an array with bounds, required fields: 50 samples at temperature 1."""
+
+    def ten(seed: int) -> list[tuple[str, str]]:  # n is at most --max-n (16) a request
+        completion = client.chat.completions.create(
+            model="default", messages=MESSAGES, response_format=RESPONSE_FORMAT, max_tokens=100,
+            temperature=1.0, seed=seed, n=10,
+        )  # fmt: skip
+        return [(c.message.content, c.finish_reason) for c in completion.choices]
+
+    with ThreadPoolExecutor(5) as pool:  # at once: the engine batches all fifty
+        texts = [t for batch in pool.map(ten, range(5)) for t in batch]
+    assert len(texts) == 50
+    for text, reason in texts:
+        assert reason == "stop", text
+        jsonschema.validate(json.loads(text), SCHEMA)
 
 
 def test_the_client_parses_into_a_pydantic_model(client):
