@@ -206,3 +206,13 @@ def test_the_sampler_picks_only_allowed_tokens_and_leaves_other_rows_as_they_wer
     out = Sampler()(logits, rows, TokenMask([0, 1], bits))
     assert out.token_ids[0].item() == max(allowed, key=lambda t: logits[0, t].item())
     assert out.logprobs[1].logprob == pytest.approx(torch.log_softmax(logits[1], -1)[out.token_ids[1]].item())
+
+
+def test_packed_bits_unpack_to_llguidances_token_order() -> None:
+    """Bit j of word w allows token 32 w + j, the sign bit included; past the words, nothing is allowed."""
+    words = torch.tensor([[0b101, -(2**31)], [-1, 1 << 7]], dtype=torch.int32)
+    allowed = allowed_tokens(words, 70)
+    assert allowed.shape == (2, 70) and allowed.dtype == torch.bool
+    assert torch.nonzero(allowed[0]).flatten().tolist() == [0, 2, 63]
+    assert torch.nonzero(allowed[1]).flatten().tolist() == list(range(32)) + [39]
+    assert allowed_tokens(words, 40).shape == (2, 40)
