@@ -78,7 +78,8 @@ class ToolCalling:
         return checked(GuidedDecoding("json_schema", json.dumps(self.schema())), "tools")
 
     def schema(self) -> dict[str, Any]:
-        calls = [_call_schema(f) for f in self.functions]
+        definitions: dict[str, Any] = {}
+        calls = [_call_schema(f, definitions) for f in self.functions]
         call = calls[0] if len(calls) == 1 else {"anyOf": calls}
         items: dict[str, Any] = {"type": "array", "items": call, "minItems": 1}
         if not self.parallel:
@@ -86,7 +87,7 @@ class ToolCalling:
         reply = _object({"tool_calls": items})
         if self.may_answer:
             reply = {"anyOf": [reply, _object({"content": {"type": "string"}})]}
-        return {**reply, "x-guidance": ONE_LINE}
+        return {**reply, "x-guidance": ONE_LINE, **({"$defs": definitions} if definitions else {})}
 
     def instruction(self) -> str:
         """The system instruction that shows the functions and the reply's format."""
@@ -113,8 +114,42 @@ def _object(properties: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _call_schema(function: FunctionDefinition) -> dict[str, Any]:
-    return _object({"name": {"const": function.name}, "arguments": function.parameters or NO_PARAMETERS})
+def _call_schema(function: FunctionDefinition, definitions: dict[str, Any]) -> dict[str, Any]:
+    arguments = _rooted(function.name, function.parameters or NO_PARAMETERS, definitions)
+    return _object({"name": {"const": function.name}, "arguments": arguments})
+
+
+def _rooted(name: str, parameters: dict[str, Any], definitions: dict[str, Any]) -> dict[str, Any]:
+    """A function's `parameters` as a part of the reply's schema. Its local `$ref`s point into its
+    own document (`#/$defs/Item`, `#` itself, as pydantic writes them), which is no longer the root:
+    the schema moves to the root's `$defs` under the function's name, its definitions beside it as
+    `name.Item`, and every local reference is rewritten to match."""
+    if "$ref" not in json.dumps(parameters) and not ({"$defs", "definitions"} & parameters.keys()):
+        return parameters
+    own = {k: v for k, v in parameters.items() if k not in ("$defs", "definitions")}
+    local = {**(parameters.get("definitions") or {}), **(parameters.get("$defs") or {})}
+    definitions[name] = _rewrite_refs(own, name)
+    for key, sub in local.items():
+        definitions[f"{name}.{key}"] = _rewrite_refs(sub, name)
+    return {"$ref": f"#/$defs/{name}"}
+
+
+def _rewrite_refs(node: Any, name: str) -> Any:
+    if isinstance(node, list):
+        return [_rewrite_refs(item, name) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {key: _rewrite_refs(value, name) for key, value in node.items()}
+    ref = node.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        path = ref[2:]
+        for section in ("$defs/", "definitions/"):
+            if path.startswith(section):
+                out["$ref"] = f"#/$defs/{name}.{path[len(section) :]}"
+                break
+        else:
+            out["$ref"] = f"#/$defs/{name}" + (f"/{path}" if path else "")
+    return out
 
 
 def tool_calling(
@@ -133,6 +168,13 @@ def tool_calling(
     if choice == "none":
         return None
     functions = [t.function for t in tools]
+    for function in functions:
+        kind = (function.parameters or {}).get("type", "object")
+        if kind != "object":
+            raise ValidationError(
+                f"the parameters of {function.name!r} must describe a JSON object (type 'object'), not {kind!r}",
+                param="tools",
+            )
     if isinstance(choice, NamedToolChoice):
         functions = [f for f in functions if f.name == choice.function.name]
         if not functions:

@@ -77,6 +77,40 @@ def test_the_grammar_holds_calls_to_the_offered_functions_and_their_arguments():
     assert parsed([WEATHER, TIME], "required").guided().kind == "json_schema"  # llguidance compiles it
 
 
+def test_parameters_with_their_own_definitions_and_recursion_keep_their_meaning():
+    """pydantic writes `$defs` and `$ref`s local to the parameters; inside the reply's schema they
+    still resolve, per function, and llguidance compiles them."""
+    tree = {
+        "type": "object",
+        "properties": {"root": {"$ref": "#/$defs/Node"}, "copy": {"$ref": "#/properties/root"}},
+        "required": ["root"],
+        "$defs": {"Node": {"type": "object", "properties": {"label": {"type": "string"},
+                                                            "children": {"type": "array", "items": {"$ref": "#/$defs/Node"}}},
+                           "required": ["label"], "additionalProperties": False}},
+    }  # fmt: skip
+    other = {
+        "type": "object",
+        "properties": {"n": {"$ref": "#/$defs/Node"}},
+        "$defs": {"Node": {"type": "integer"}},
+    }
+    tools = [{"type": "function", "function": {"name": "plant", "parameters": tree}},
+             {"type": "function", "function": {"name": "count", "parameters": other}}]  # fmt: skip
+    calling = parsed(tools, "required")
+    schema = calling.schema()
+    good = {
+        "name": "plant",
+        "arguments": {"root": {"label": "a", "children": [{"label": "b", "children": []}]}},
+    }
+    jsonschema.validate({"tool_calls": [good, {"name": "count", "arguments": {"n": 3}}]}, schema)
+    for bad in ({"root": {"label": "a", "children": [{"children": []}]}},  # a child without its label
+                {"root": {"label": "a"}, "copy": {"label": 1}}):  # fmt: skip
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({"tool_calls": [{"name": "plant", "arguments": bad}]}, schema)
+    with pytest.raises(jsonschema.ValidationError):  # the other function's Node is an integer
+        jsonschema.validate({"tool_calls": [{"name": "count", "arguments": {"n": {"label": "x"}}}]}, schema)
+    assert calling.guided().kind == "json_schema"
+
+
 def test_a_reply_cut_short_stays_content():
     reply = read_reply(CALLS)
     assert reply.content is None and reply.tool_calls[0]["function"]["name"] == "get_weather"
@@ -146,7 +180,13 @@ async def test_earlier_calls_and_results_reach_the_template(tokenizer_dir, token
                 "tools": [
                     {
                         "type": "function",
-                        "function": {"name": "x", "parameters": {"type": "array", "uniqueItems": True}},
+                        "function": {
+                            "name": "x",
+                            "parameters": {
+                                "type": "object",
+                                "properties": {"xs": {"type": "array", "uniqueItems": True}},
+                            },
+                        },
                     }
                 ]
             },
@@ -154,6 +194,11 @@ async def test_earlier_calls_and_results_reach_the_template(tokenizer_dir, token
             "uniqueItems",
         ),  # fmt: skip
         ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools", "name"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "s", "parameters": {"type": "string"}}}]},
+            "tools",
+            "JSON object",
+        ),  # fmt: skip
     ],
 )
 async def test_tool_requests_that_cannot_be_served_are_400s_naming_the_field(
