@@ -126,12 +126,18 @@ def chat_choice(
     reason: str | None,
     tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """A whole reply: its text, or the functions it calls (finish reason "tool_calls")."""
+    """A whole reply: its text, or the functions it calls (finish reason "tool_calls" once the reply
+    is complete; "length" when max_tokens cut it)."""
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if tool_calls:
         message["tool_calls"] = tool_calls
-        reason = "tool_calls"
+        reason = tool_calls_reason(reason)
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
+
+
+def tool_calls_reason(reason: str | None) -> str | None:
+    """A reply with calls that ended by itself (its grammar complete) finishes with "tool_calls"."""
+    return "tool_calls" if reason in ("eos_token", "stop_sequence") else reason
 
 
 def chat_chunk_choice(

@@ -21,6 +21,7 @@ from tgserve.router.openai_schemas import (
     template_tools,
 )
 from tgserve.router.state import RouterState, router_state, start_generation
+from tgserve.router.tool_stream import ToolCallStream
 from tgserve.router.tools import read_reply
 from tgserve.router.validation import GenerationSpec, build_spec
 
@@ -232,24 +233,22 @@ async def chat_events(
 async def tool_call_choices(
     state: RouterState, request: ChatCompletionRequest, generation: Generation
 ) -> AsyncIterator[dict[str, Any]]:
-    """A reply that may call functions is JSON until it ends, so each choice's reply is held back and
-    sent once, as its calls (`delta.tool_calls`, each whole) or its content, with its finish reason."""
-    texts: dict[int, str] = {}
-    tokens: dict[int, list[Any]] = {}
+    """A reply that may call functions, streamed as OpenAI streams one: each call's id and name once
+    the name is complete, then its arguments' text as it grows; or a plain answer's text as it grows
+    (`tool_stream.py`). The JSON around them is never sent."""
+    replies: dict[int, ToolCallStream] = {}
     async for _, delta in generation.deltas():
-        texts[delta.index] = texts.get(delta.index, "") + delta.text
-        tokens.setdefault(delta.index, []).extend(delta.tokens)
-        if delta.finish_reason is None:
-            continue
-        reply = read_reply(texts[delta.index])
-        logprobs = fmt.chat_logprobs(state.tokenizer, tokens[delta.index]) if request.logprobs else None
-        if reply.tool_calls:
-            calls = [{"index": i, **call} for i, call in enumerate(reply.tool_calls)]
-            yield fmt.chat_chunk_choice(delta.index, {"tool_calls": calls}, logprobs, "tool_calls")
-        else:
-            yield fmt.chat_chunk_choice(
-                delta.index, {"content": reply.content}, logprobs, delta.finish_reason
-            )
+        reply = replies.setdefault(delta.index, ToolCallStream())
+        piece = reply.add(delta.text)
+        logprobs = None
+        if request.logprobs and delta.tokens:
+            logprobs = fmt.chat_logprobs(state.tokenizer, delta.tokens)
+        reason = delta.finish_reason
+        if reason is not None:
+            piece = {**piece, **reply.finish()}
+            reason = fmt.tool_calls_reason(reason) if reply.calls_sent else reason
+        if piece or logprobs is not None or reason is not None:
+            yield fmt.chat_chunk_choice(delta.index, piece, logprobs, reason)
 
 
 @router.post("/v1/chat/completions")

@@ -6,14 +6,13 @@ one call unless `parallel_tool_calls`, each call's arguments following its funct
 schema; with `tool_choice` "auto" the model may instead answer `{"content": "..."}`. The functions
 reach the model twice: through the chat template's `tools` (templates that know them render them
 their own way) and in an instruction that names the reply's format, which every template shows.
-The reply is parsed back into `message.tool_calls` (arguments as a JSON string, as OpenAI sends them)
-with finish_reason "tool_calls".
+The reply is read back into `message.tool_calls` (arguments as a JSON string, as OpenAI sends them)
+with finish_reason "tool_calls"; a stream sends each call's name and its arguments as they grow.
 """
 
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -21,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tgserve.router.errors import ValidationError
 from tgserve.router.guided import checked
+from tgserve.router.tool_stream import new_call_id, raw_content, scan
 from tgserve.server.protocol.params import GuidedDecoding
 
 STRICT = ConfigDict(extra="ignore", strict=True)
@@ -194,22 +194,17 @@ class ToolReply:
 
 
 def read_reply(text: str) -> ToolReply:
-    """The calls of a guided reply; text that is not a whole reply (cut short by max_tokens or a
-    stop string) stays content, as the model wrote it."""
-    try:
-        reply = json.loads(text)
-    except ValueError:
+    """A reply's calls (each as far as it got: a reply cut short by max_tokens has its last call's
+    arguments cut too, as OpenAI's are), or its plain answer; text not in the grammar's layout (a
+    stop string cut it before it could tell) stays content, as the model wrote it. Arguments are the
+    reply's own text of them, which a stream sends piece by piece (`tool_stream.py`)."""
+    scanned = scan(text)
+    if raw_content(scanned):
         return ToolReply(text, None)
-    if isinstance(reply, dict) and isinstance(reply.get("tool_calls"), list):
-        return ToolReply(None, [_openai_call(call) for call in reply["tool_calls"]])
-    if isinstance(reply, dict) and isinstance(reply.get("content"), str):
-        return ToolReply(reply["content"], None)
-    return ToolReply(text, None)
+    if scanned.calls:
+        return ToolReply(None, [openai_call(call.name, call.arguments) for call in scanned.calls])
+    return ToolReply(scanned.content, None)
 
 
-def _openai_call(call: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "id": f"call_{uuid.uuid4().hex[:24]}",
-        "type": "function",
-        "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])},
-    }
+def openai_call(name: str, arguments: str) -> dict[str, Any]:
+    return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}

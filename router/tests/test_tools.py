@@ -4,6 +4,7 @@ instruction a request gets, the reply read back into tool_calls (whole and strea
 from __future__ import annotations
 
 import json
+import random
 
 import httpx
 import jsonschema
@@ -11,6 +12,7 @@ import pytest
 
 from tgserve.router.app import create_app
 from tgserve.router.tests.fakes import FakeEngineClient, make_state, text_script
+from tgserve.router.tool_stream import ToolCallStream
 from tgserve.router.tools import ToolReply, read_reply, tool_calling
 
 pytestmark = pytest.mark.anyio
@@ -111,6 +113,37 @@ def test_parameters_with_their_own_definitions_and_recursion_keep_their_meaning(
     assert calling.guided().kind == "json_schema"
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_streamed_pieces_add_up_to_the_whole_reply_wherever_the_text_is_cut(seed):
+    calls = ('{"tool_calls": [{"name": "a", "arguments": {"s": "x\\"}{y]", "n": [1, {"k": 2}]}}, '
+             '{"name": "b_2", "arguments": {}}]}')  # fmt: skip
+    answer = '{"content": "caf\\u00e9 \\ud83d\\ude00 \\"q\\" \\\\ end"}'
+    rng = random.Random(seed)
+    for reply in (calls, answer):
+        cuts = sorted(rng.sample(range(1, len(reply)), 12))
+        stream, sent = ToolCallStream(), []
+        for lo, hi in zip([0, *cuts], [*cuts, len(reply)]):
+            sent.append(stream.add(reply[lo:hi]))
+        sent.append(stream.finish())
+        whole = read_reply(reply)
+        if whole.tool_calls:
+            names = [e["function"]["name"] for d in sent for e in d.get("tool_calls", []) if "id" in e]
+            assert names == ["a", "b_2"] == [c["function"]["name"] for c in whole.tool_calls]
+            for i, call in enumerate(whole.tool_calls):
+                args = "".join(
+                    e["function"]["arguments"]
+                    for d in sent
+                    for e in d.get("tool_calls", [])
+                    if e["index"] == i
+                )
+                assert args == call["function"]["arguments"]
+                json.loads(args)
+        else:
+            assert (
+                "".join(d.get("content", "") for d in sent) == whole.content == json.loads(reply)["content"]
+            )
+
+
 def test_a_reply_cut_short_stays_content():
     reply = read_reply(CALLS)
     assert reply.content is None and reply.tool_calls[0]["function"]["name"] == "get_weather"
@@ -118,6 +151,9 @@ def test_a_reply_cut_short_stays_content():
     assert reply.tool_calls[0]["id"].startswith("call_")
     assert read_reply(CALLS[:30]) == ToolReply(CALLS[:30], None)
     assert read_reply('{"content": "sunny"}').content == "sunny"
+    # max_tokens cut the arguments: the call comes back as far as it got, as OpenAI's do
+    cut = read_reply(CALLS[:70])
+    assert cut.content is None and cut.tool_calls[0]["function"]["arguments"] == CALLS[53:70]
 
 
 async def test_tool_calls_whole_and_streamed(tokenizer_dir, tokenizer):
@@ -137,10 +173,16 @@ async def test_tool_calls_whole_and_streamed(tokenizer_dir, tokenizer):
     chunks = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
     deltas = [c["choices"][0] for c in chunks if c["choices"]]
     assert deltas[0]["delta"]["role"] == "assistant"
-    calls = [d for d in deltas if d["delta"].get("tool_calls")]
-    assert len(calls) == 1 and calls[0]["finish_reason"] == "tool_calls"
-    streamed = calls[0]["delta"]["tool_calls"][0]
-    assert streamed["index"] == 0 and streamed["function"] == call["function"]
+    # The id and name first, then the arguments as they grow; the last chunk says tool_calls.
+    pieces = [entry for d in deltas for entry in d["delta"].get("tool_calls") or []]
+    assert (
+        len(pieces) > 2
+        and pieces[0]["id"].startswith("call_")
+        and pieces[0]["function"]["name"] == "get_weather"
+    )
+    assert all(p["index"] == 0 and "id" not in p for p in pieces[1:])
+    assert "".join(p["function"]["arguments"] for p in pieces) == call["function"]["arguments"]
+    assert deltas[-1]["finish_reason"] == "tool_calls"
     assert not any(d["delta"].get("content") for d in deltas)
 
 
