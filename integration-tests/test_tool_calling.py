@@ -62,10 +62,9 @@ def valid_calls(calls) -> list[tuple[str, dict]]:
     return out
 
 
-@pytest.mark.parametrize("seed", [1, 2])
-def test_required_tool_calls_streamed_and_not_are_the_same_valid_calls(client, seed):
+def test_required_tool_calls_streamed_and_not_are_the_same_valid_calls(client):
     # One call (parallel_tool_calls false): SmolLM2 allowed several sometimes repeats a call until max_tokens.
-    args = dict(model="default", messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=120, seed=seed,
+    args = dict(model="default", messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=120, seed=1,
                 temperature=0.8, parallel_tool_calls=False)  # fmt: skip
     whole = client.chat.completions.create(**args)
     choice = whole.choices[0]
