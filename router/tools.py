@@ -25,9 +25,9 @@ from tgserve.server.protocol.params import GuidedDecoding
 
 STRICT = ConfigDict(extra="ignore", strict=True)
 NO_PARAMETERS = {"type": "object", "properties": {}}
-# The reply is read back and sent re-serialized, so its layout is never seen: one line, with
-# llguidance's fixed separators, spends no tokens on indentation (SmolLM2 otherwise pretty-prints
-# until max_tokens cuts it).
+# The reply's JSON around the calls is never sent, so its layout is free to choose: one line, with
+# llguidance's fixed separators, spends no tokens on indentation (SmolLM2 otherwise pretty-printed
+# until max_tokens cut it) and gives `tool_stream.py` an exact layout to read as it grows.
 ONE_LINE = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
 
 
