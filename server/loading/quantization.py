@@ -27,7 +27,8 @@ QUANTIZE_METHODS = ("fp8",)
 
 
 # Tensors of an fp8 checkpoint this server has no use for: static activation scales (activations are
-# quantized per token as they come) and fp8 KV-cache scales (the cache is kept in the serving dtype).
+# quantized per token as they come) and per-tensor KV-cache scales (with --kv-cache-dtype fp8 the
+# cache scales each token's row per KV head as it writes it, which no per-tensor scale outdoes).
 FP8_CHECKPOINT_EXTRAS = (".input_scale", ".output_scale", ".k_scale", ".v_scale")
 
 
