@@ -95,27 +95,6 @@ class DecodeSelection:
         return max_context > self.min_context
 
 
-def update_key_summaries(
-    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    slot_mapping: torch.Tensor,  # int64 [num_tokens], -1: not stored
-    key_summary: torch.Tensor,  # [2, num_blocks, num_kv_heads, head_dim]
-    block_size: int,
-) -> None:
-    """Fold a step's keys into their blocks' minimum and maximum. A block whose first slot is
-    written starts over (it was free, or held another sequence's keys); the others extend what
-    earlier steps folded in (a block filled over several prefill chunks or decode steps)."""
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    keys = key[keep].to(key_summary.dtype)
-    blocks = slots // block_size
-    fresh = blocks[slots % block_size == 0]
-    key_summary[0].index_fill_(0, fresh, float("inf"))
-    key_summary[1].index_fill_(0, fresh, float("-inf"))
-    index = blocks[:, None, None].expand_as(keys)
-    key_summary[0].scatter_reduce_(0, index, keys, "amin")
-    key_summary[1].scatter_reduce_(0, index, keys, "amax")
-
-
 def choose_blocks(scores: torch.Tensor, k: int) -> torch.Tensor:
     """int64 [num_seqs, num_kv_heads, k - 1]: the k - 1 best-scored blocks of each (sequence, KV
     head), in no order; the current block (scored -inf) is the k-th, read after them. Only a

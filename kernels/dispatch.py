@@ -30,7 +30,6 @@ import torch
 
 from tgserve.kernels import reference
 from tgserve.kernels.decode_selection import DecodeSelection, choose_blocks
-from tgserve.kernels.decode_selection import update_key_summaries as reference_update_key_summaries
 from tgserve.kernels.sparse.config import SparseConfig
 
 
@@ -68,7 +67,7 @@ def update_key_summaries(
 
         fold_key_summaries(key, slot_mapping, key_summary, block_size)
     else:
-        reference_update_key_summaries(key, slot_mapping, key_summary, block_size)
+        reference.update_key_summaries(key, slot_mapping, key_summary, block_size)
 
 
 def paged_decode(

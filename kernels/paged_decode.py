@@ -227,7 +227,7 @@ def _store_step_kv(new_k_ptr, new_v_ptr, slot_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
     skipped. The barrier puts every thread's store before any thread's load of the same row (a CTA
     barrier orders global memory within the block). Into an fp8 cache the rows are quantized as
     `kv_write` quantizes them, their scales stored beside them. With SUMMARY, the key is folded into
-    its block's minimum and maximum (`decode_selection.update_key_summaries`): a block's first slot
+    its block's minimum and maximum (`reference.update_key_summaries`): a block's first slot
     starts them over."""
     slot = tl.load(slot_ptr + seq).to(tl.int64)
     if (slot >= 0) & (q_pos >= lo) & (q_pos < hi):

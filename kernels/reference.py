@@ -63,6 +63,28 @@ def gather_kv(
     return tuple(dequantize_kv(as_bytes[i, slots].view(kv_cache.dtype), flat_scale[i, slots]) for i in (0, 1))
 
 
+def update_key_summaries(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # int64 [num_tokens], -1: not stored
+    key_summary: torch.Tensor,  # [2, num_blocks, num_kv_heads, head_dim]
+    block_size: int,
+) -> None:
+    """Fold a step's keys into their blocks' minimum and maximum (selective decode's key summaries,
+    `decode_selection.py`; twin of `summary_fold.py`). A block whose first slot is
+    written starts over (it was free, or held another sequence's keys); the others extend what
+    earlier steps folded in (a block filled over several prefill chunks or decode steps)."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    keys = key[keep].to(key_summary.dtype)
+    blocks = slots // block_size
+    fresh = blocks[slots % block_size == 0]
+    key_summary[0].index_fill_(0, fresh, float("inf"))
+    key_summary[1].index_fill_(0, fresh, float("-inf"))
+    index = blocks[:, None, None].expand_as(keys)
+    key_summary[0].scatter_reduce_(0, index, keys, "amin")
+    key_summary[1].scatter_reduce_(0, index, keys, "amax")
+
+
 def block_scores(
     query: torch.Tensor,  # [num_seqs, num_heads, head_dim]: one decode query per sequence
     key_summary: torch.Tensor,  # [2, num_blocks, num_kv_heads, head_dim]: keys' minimum, maximum

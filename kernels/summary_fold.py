@@ -1,6 +1,6 @@
 """Triton kernel: fold a step's keys into their blocks' key summaries (selective decode attention).
 
-Twin: `decode_selection.update_key_summaries`. A block's keys in one step are one run of
+Twin: `reference.update_key_summaries`. A block's keys in one step are one run of
 consecutive rows (a block belongs to one sequence, whose rows are its positions in order), so the
 program of a run's first row reduces the whole run in registers and stores each of the block's
 minimum and maximum once: no atomics. torch's scatter_reduce, which the twin uses, takes an atomic

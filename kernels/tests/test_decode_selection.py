@@ -8,7 +8,7 @@ import torch
 
 from tgserve.kernels import dispatch, reference
 from tgserve.kernels.block_scores import block_scores, candidate_scores
-from tgserve.kernels.decode_selection import DecodeSelection, update_key_summaries
+from tgserve.kernels.decode_selection import DecodeSelection
 from tgserve.kernels.decode_synthetic import FAMILIES, PLANTED, planted_decode, selection_error
 from tgserve.kernels.paged_decode import paged_decode
 from tgserve.kernels.summary_fold import fold_key_summaries
@@ -23,7 +23,7 @@ def _summaries_of(batch, block_size: int) -> torch.Tensor:
         key, _ = reference.gather_kv(batch.kv_cache, batch.block_tables[i], n)
         pos = torch.arange(n)
         slots = batch.block_tables[i, pos // block_size].long() * block_size + pos % block_size
-        update_key_summaries(key, slots, summary, block_size)
+        reference.update_key_summaries(key, slots, summary, block_size)
     return summary
 
 
@@ -36,8 +36,10 @@ def test_summaries_are_each_blocks_key_minimum_and_maximum_over_chunks_and_reuse
     slots = table[torch.arange(10) // block_size] * block_size + torch.arange(10) % block_size
     for lo, hi in [(0, 3), (3, 9), (9, 10)]:  # chunks that end mid-block
         step_slots = slots[lo:hi].clone()
-        update_key_summaries(keys[lo:hi], step_slots, summary, block_size)
-    update_key_summaries(keys[:2] * 100, torch.tensor([-1, -1]), summary, block_size)  # padding: no effect
+        reference.update_key_summaries(keys[lo:hi], step_slots, summary, block_size)
+    reference.update_key_summaries(
+        keys[:2] * 100, torch.tensor([-1, -1]), summary, block_size
+    )  # padding: no effect
     for b, block in enumerate(table.tolist()):
         rows = keys[b * block_size : min(10, (b + 1) * block_size)]
         torch.testing.assert_close(summary[0, block], rows.amin(0), rtol=0, atol=0)
@@ -62,7 +64,7 @@ def test_fold_kernel_matches_the_twin_over_chunks_reuse_prefix_hits_and_padding(
         slots = torch.cat(slots + [torch.tensor([-1, -1])])
         slots[0] = -1 if len(step) > 1 and step[0][1] > 0 else slots[0]
         keys = (torch.randn(len(slots), num_kv, dim, generator=gen) * 4).to(dtype)
-        update_key_summaries(keys, slots, want, block_size)
+        reference.update_key_summaries(keys, slots, want, block_size)
         fold_key_summaries(keys.to(device), slots.to(device), got, block_size)
     torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0)
     assert not torch.equal(want, stale)
@@ -139,7 +141,7 @@ def test_candidates_are_chosen_by_their_true_logits_where_the_bound_misleads():
     cache = torch.zeros(2, 4, block_size, 1, dim)
     cache[0].view(-1, 1, dim)[:7] = keys[:, None]
     summary = torch.zeros(2, 4, 1, dim)
-    update_key_summaries(keys[:, None], torch.arange(7), summary, block_size)
+    reference.update_key_summaries(keys[:, None], torch.arange(7), summary, block_size)
     query = torch.tensor([[[1.0, 1.0]]])
     tables, seq_lens = torch.arange(4, dtype=torch.int32)[None], torch.tensor([7], dtype=torch.int32)
     bound = reference.block_scores(query, summary, tables, seq_lens, block_size, 0, 1)
@@ -206,7 +208,7 @@ def test_decode_kernel_folds_the_step_key_into_its_block_summary(device, fp8):
     # The step's key again, larger: seq 0 starts a block (offset 0 of block 2), the others extend one.
     step_key, step_value = batch.key * 3, batch.value
     want = summary.clone()
-    update_key_summaries(step_key, batch.slot_mapping, want, 16)
+    reference.update_key_summaries(step_key, batch.slot_mapping, want, 16)
     got = summary.to(device)
     scale = None if batch.kv_scale is None else batch.kv_scale.to(device)
     paged_decode(batch.query.to(device), batch.kv_cache.to(device), batch.block_tables.to(device),

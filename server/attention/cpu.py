@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from tgserve.kernels import dispatch
-from tgserve.kernels.decode_selection import DecodeSelection, chosen_mask, update_key_summaries
+from tgserve.kernels.decode_selection import DecodeSelection, chosen_mask
 from tgserve.kernels.fp8_format import dequantize_kv
-from tgserve.kernels.reference import causal_mask, gather_kv, masked_attention, write_kv
+from tgserve.kernels.reference import causal_mask, gather_kv, masked_attention, update_key_summaries, write_kv
 from tgserve.server.attention.backend import AttentionBackend, AttentionLayerParams, StepPlan
 from tgserve.server.attention.metadata import AttentionMetadata
 

@@ -76,8 +76,7 @@ def _step(
     """One attention step of a full-attention layer with key summaries, earlier tokens stored (and
     folded into the summaries) as previous steps would have; this step's rows' output (with
     `last_rows`, each sequence's last row's only, as a model's last layer asks)."""
-    from tgserve.kernels.decode_selection import update_key_summaries
-    from tgserve.kernels.reference import write_kv
+    from tgserve.kernels.reference import update_key_summaries, write_kv
     from tgserve.server.attention.backend import AttentionLayerParams
     from tgserve.server.attention.metadata import AttentionMetadata
 
