@@ -17,6 +17,17 @@ import torch
 from tgserve.kernels.fp8_format import GEMV_MAX_ROWS, dequantized_product, quantize_rows
 
 
+def quantize_rows_fast(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fp8_format.quantize_rows` of rows [M, K]: on CUDA, where the columns are contiguous, by the
+    Triton kernel (bit for bit torch's, in one launch and without a float32 copy of the rows);
+    torch's own elsewhere (the interpreter rounds some values to e4m3 wrongly)."""
+    if rows.is_cuda and rows.stride(-1) == 1:
+        from tgserve.kernels.fp8_rows import quantize_rows_triton
+
+        return quantize_rows_triton(rows)
+    return quantize_rows(rows)
+
+
 def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -32,9 +43,7 @@ def fp8_linear(
         out = fp8_gemv(*quantize_rows_triton(rows), weight, weight_scale, bias, out_dtype=x.dtype)
         return out.reshape(*x.shape[:-1], out_features)
     if rows.is_cuda:
-        from tgserve.kernels.fp8_rows import quantize_rows_triton
-
-        x_q, x_scale = quantize_rows_triton(rows) if rows.stride(-1) == 1 else quantize_rows(rows)
+        x_q, x_scale = quantize_rows_fast(rows)
         out = torch._scaled_mm(
             x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.t(), out_dtype=torch.bfloat16
         )

@@ -31,7 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tgserve.kernels.fp8_format import FP8, quantize_rows
+from tgserve.kernels.fp8 import quantize_rows_fast
+from tgserve.kernels.fp8_format import FP8
 from tgserve.kernels.sparse.estimate import block_means, fp8_products, head_index, host_values
 from tgserve.kernels.triton_common import dot_precision, interpreting
 
@@ -118,23 +119,13 @@ def listed_bitmap(listed: torch.Tensor, nq: int) -> torch.Tensor:
     return bits[..., :words].contiguous()
 
 
-def _e4m3_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`fp8_format.quantize_rows` of x [M, K]: the Triton kernel on CUDA (no float32 copy of x; bit
-    for bit torch's), torch's own elsewhere (the interpreter rounds some values to e4m3 wrongly)."""
-    if x.is_cuda:
-        from tgserve.kernels.fp8_rows import quantize_rows_triton
-
-        return quantize_rows_triton(x)
-    return quantize_rows(x)
-
-
 def _e4m3_keys(key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 [Hkv, n, d], float32 scales [Hkv, n]) of key [n, Hkv, d], a KV head at a time."""
     n, num_kv, dim = key.shape
     values = torch.empty(num_kv, n, dim, dtype=FP8, device=key.device)
     scales = torch.empty(num_kv, n, dtype=torch.float32, device=key.device)
     for h in range(num_kv):  # one head's rows at a time: a copy of them all would be 1 GiB at 1M tokens
-        q, scale = _e4m3_rows(key[:, h])
+        q, scale = quantize_rows_fast(key[:, h])
         values[h], scales[h] = q, scale[:, 0]
     return values.transpose(0, 1), scales
 
@@ -156,7 +147,7 @@ def rescue_blocks_triton(
     qm = block_means(query, block)[:, head_index(heads, device)].transpose(0, 1)  # [S, Q, d]
     fp8 = fp8_products(key)
     if fp8:
-        qm = _e4m3_rows(qm.reshape(-1, head_dim))[0]
+        qm = quantize_rows_fast(qm.reshape(-1, head_dim))[0]
         key, k_scale = _e4m3_keys(key)
     else:
         qm, k_scale = qm.to(key.dtype).contiguous(), qm  # scales unread
