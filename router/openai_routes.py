@@ -15,10 +15,9 @@ from tgserve.router.http import EventStreamResponse, parse_json, sse, until_disc
 from tgserve.router.openai_schemas import (
     ChatCompletionRequest,
     CompletionRequest,
+    chat_template_inputs,
     chat_tool_calling,
     openai_sampling,
-    template_messages,
-    template_tools,
 )
 from tgserve.router.state import RouterState, router_state, start_generation
 from tgserve.router.tool_stream import ToolCallStream
@@ -167,7 +166,7 @@ async def completions(request: Request) -> Response:
 
 def chat_specs(state: RouterState, request: ChatCompletionRequest) -> list[GenerationSpec]:
     calling = chat_tool_calling(request)
-    prompt_ids = state.tokenizer.encode_chat(template_messages(request), template_tools(request))
+    prompt_ids = state.tokenizer.encode_chat(*chat_template_inputs(request, calling))
     max_tokens = request.max_completion_tokens or request.max_tokens
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     if request.top_logprobs and not request.logprobs:

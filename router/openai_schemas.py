@@ -174,25 +174,21 @@ def chat_tool_calling(request: ChatCompletionRequest) -> ToolCalling | None:
     return calling
 
 
-def template_tools(request: ChatCompletionRequest) -> list[dict[str, Any]] | None:
-    """The tools as the chat template's `tools` takes them, when the reply may call them."""
-    if chat_tool_calling(request) is None:
-        return None
-    return [tool.model_dump(exclude_none=True) for tool in request.tools or []]
-
-
-def template_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """Messages as the chat template expects them: earlier tool calls with their arguments as
-    objects (as transformers' templates read them), tool results with their call's id, and, when
-    the reply may call functions, the instruction that shows them (`tools.py`)."""
+def chat_template_inputs(
+    request: ChatCompletionRequest, calling: ToolCalling | None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """(messages, tools) as the chat template takes them. Messages: earlier tool calls with their
+    arguments as objects (as transformers' templates read them), tool results with their call's id,
+    and, when the reply may call functions (`calling`, `chat_tool_calling`), the instruction that
+    shows them (`tools.py`). Tools: the request's, when the reply may call them."""
     messages = [_template_message(message) for message in request.messages]
-    calling = chat_tool_calling(request)
-    if calling is not None:
-        if messages[0]["role"] in ("system", "developer"):
-            messages[0]["content"] = f"{messages[0]['content']}\n\n{calling.instruction()}".lstrip()
-        else:
-            messages.insert(0, {"role": "system", "content": calling.instruction()})
-    return messages
+    if calling is None:
+        return messages, None
+    if messages[0]["role"] in ("system", "developer"):
+        messages[0]["content"] = f"{messages[0]['content']}\n\n{calling.instruction()}".lstrip()
+    else:
+        messages.insert(0, {"role": "system", "content": calling.instruction()})
+    return messages, [tool.model_dump(exclude_none=True) for tool in request.tools or []]
 
 
 def _template_message(message: ChatMessage) -> dict[str, Any]:

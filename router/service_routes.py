@@ -15,9 +15,9 @@ from tgserve.router.http import json_object, parse_json, read_body
 from tgserve.router.openai_schemas import (
     ChatCompletionRequest,
     ChatMessage,
+    chat_template_inputs,
+    chat_tool_calling,
     message_text,
-    template_messages,
-    template_tools,
 )
 from tgserve.router.state import router_state
 from tgserve.router.tgi_schemas import TGITokenizeRequest
@@ -118,7 +118,8 @@ async def chat_tokenize(request: Request) -> Response:
     """TGI's: a chat request's prompt as /v1/chat/completions renders it, and its tokens."""
     state = router_state(request)
     chat = parse_json(ChatCompletionRequest, await read_body(request, state.config.payload_limit))
-    text = state.tokenizer.chat_prompt(template_messages(chat), tools=template_tools(chat))
+    messages, tools = chat_template_inputs(chat, chat_tool_calling(chat))
+    text = state.tokenizer.chat_prompt(messages, tools=tools)
     # The template writes the special tokens it wants; the chat route adds none.
     return JSONResponse(
         {"tokenize_response": simple_tokens(state, text, add_special_tokens=False), "templated_text": text}
