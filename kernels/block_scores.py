@@ -166,7 +166,7 @@ def _candidate_scores_kernel(
     offset = tokens % BLOCK_SIZE
     base = page * stride_c_block + offset * stride_c_off + kv_head * stride_c_head
     k = tl.load(k_ptr + base[:, None] + dims[None, :], mask=token_ok[:, None] & dim_ok[None, :], other=0.0)
-    if SCALED:  # an fp8 cache: dequantized as the decode kernel reads it
+    if SCALED:  # an fp8 cache: dequantized to the query's dtype (the decode kernel multiplies in f16 instead)
         k_scale = tl.load(
             ks_ptr + (page * BLOCK_SIZE + offset) * num_kv_heads + kv_head, mask=token_ok, other=0.0
         )
