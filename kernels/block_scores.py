@@ -168,7 +168,7 @@ def _candidate_scores_kernel(
     k = tl.load(k_ptr + base[:, None] + dims[None, :], mask=token_ok[:, None] & dim_ok[None, :], other=0.0)
     if SCALED:  # an fp8 cache: dequantized to the query's dtype (the decode kernel multiplies in f16 instead)
         k_scale = tl.load(
-            ks_ptr + (page * BLOCK_SIZE + offset) * num_kv_heads + kv_head, mask=token_ok, other=0.0
+            ks_ptr + (page * num_kv_heads + kv_head) * BLOCK_SIZE + offset, mask=token_ok, other=0.0
         )
         k = (k.to(tl.float32) * k_scale[:, None]).to(q.dtype)
     logits = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)  # [BLOCK_G, tokens]

@@ -57,8 +57,8 @@ def _write_kv_kernel(
         v = tl.load(
             value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask, other=0.0
         )
-        if SCALED:  # the scales are [2, num_blocks, block_size, num_kv_heads], contiguous
-            scale_dst = scale_ptr + slot * num_kv_heads + heads
+        if SCALED:  # the scales are [2, num_blocks, num_kv_heads, block_size], contiguous
+            scale_dst = scale_ptr + (block * num_kv_heads + heads) * BLOCK_SIZE + offset
             k, k_scale = e4m3_rows(k.to(tl.float32))
             v, v_scale = e4m3_rows(v.to(tl.float32))
             tl.store(scale_dst, k_scale, mask=heads < num_kv_heads)
@@ -75,7 +75,7 @@ def write_kv(
     kv_scale: torch.Tensor | None = None,
 ) -> None:
     """Store key/value [num_tokens, num_kv_heads, head_dim] at their slots of kv_cache (in place);
-    with kv_scale [2, num_blocks, block_size, num_kv_heads] (contiguous), kv_cache is fp8 and each
+    with kv_scale [2, num_blocks, num_kv_heads, block_size] (contiguous), kv_cache is fp8 and each
     row's scale goes there."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:

@@ -30,6 +30,9 @@ from tgserve.kernels.triton_common import (
     wait_for_inputs,
 )
 
+# The fp8 path's probabilities carry the values' scales times this power of two (F16_PRODUCTS below).
+V_WEIGHT: tl.constexpr = tl.constexpr(256.0)
+
 
 # The integers a step's shape sets (the split count, the block table's width) are not specialised:
 # Triton would compile apart the values divisible by 16, and with the merge tile fixed per model
@@ -169,17 +172,19 @@ def _decode_kernel(
         v = tl.load(v_ptr + base[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         mask = in_ctx & (pos >= first)
         if SCALED:  # fp8 in the cache, one float32 scale a (token, KV head)
-            # The scales are contiguous: a slot's row of KV heads at slot * num_kv_heads.
-            scale_at = (page * BLOCK_SIZE + pos % BLOCK_SIZE) * num_kv_heads + kv_head
+            # [2, blocks, KV heads, BLOCK_SIZE]: a page's scales of this head are one contiguous run.
+            scale_at = (page * num_kv_heads + kv_head) * BLOCK_SIZE + pos % BLOCK_SIZE
             k_scale = tl.load(ks_ptr + scale_at, mask=in_ctx, other=0.0)
             v_scale = tl.load(vs_ptr + scale_at, mask=in_ctx, other=0.0)
         if F16_PRODUCTS:
-            # e4m3 widens to f16 exactly, two values an instruction: the keys enter the product
-            # as stored and their scales multiply the scores ([rows, tile], not [tile, head_dim]);
-            # the values are scaled in f16, which holds 3 more mantissa bits than bf16.
-            v = v.to(tl.float16) * v_scale[:, None].to(tl.float16)
-            acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k.to(tl.float16), v, mask[None, :], sm_scale, softcap,
-                                        USE_SOFTCAP, PRECISION, k_scale=k_scale)  # fmt: skip
+            # e4m3 widens to f16 exactly, two values an instruction: keys and values enter the
+            # products as stored, the keys' scales multiply the scores and the values' scales the
+            # probabilities ([rows, tile] each, not [tile, head_dim]). The weights carry the
+            # values' scales times V_WEIGHT, keeping them in f16's normal range as values of
+            # magnitude ~1 keep them; the sum is divided by it once at the end.
+            acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k.to(tl.float16), v.to(tl.float16), mask[None, :],
+                                        sm_scale, softcap, USE_SOFTCAP, PRECISION, k_scale=k_scale,
+                                        v_scale=v_scale * V_WEIGHT)  # fmt: skip
         else:
             if SCALED:  # a float32 query: dequantized to its dtype
                 k = (k.to(tl.float32) * k_scale[:, None]).to(q.dtype)
@@ -187,6 +192,8 @@ def _decode_kernel(
             acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k, v, mask[None, :], sm_scale, softcap,
                                         USE_SOFTCAP, PRECISION)  # fmt: skip
 
+    if F16_PRODUCTS:
+        acc = acc * (1.0 / V_WEIGHT)  # a power of two: exact
     if SPLIT:
         # Every split stores, an empty one (past a short context or before the window) included:
         # m = -inf, l = 0, acc = 0 weigh nothing in the merge, and its count keeps the total exact.
@@ -252,7 +259,7 @@ def _store_step_kv(new_k_ptr, new_v_ptr, slot_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
             k_rows, k_scale = e4m3_rows(k.to(tl.float32)[None, :])
             v_rows, v_scale = e4m3_rows(v.to(tl.float32)[None, :])
             one = tl.arange(0, 1)
-            scale_at = slot * num_kv_heads + kv_head
+            scale_at = ((slot // BLOCK_SIZE) * num_kv_heads + kv_head) * BLOCK_SIZE + slot % BLOCK_SIZE
             tl.store(ks_ptr + scale_at + one, k_scale)
             tl.store(vs_ptr + scale_at + one, v_scale)
             k, v = tl.reshape(k_rows, (k.shape[0],)), tl.reshape(v_rows, (v.shape[0],))
@@ -350,10 +357,10 @@ def split_counters(device: torch.device, slots: int) -> torch.Tensor:
 
 MAX_AUTO_SPLITS = 64
 GPU_BLOCK_N = 64  # keys a tile on a GPU; the interpreter takes 16 to stay fast
-# Over an fp8 cache, tiles of 128 keys: each tile's scales are gathered a key at a time, and twice
-# the keys a tile halve those rounds. On an H200 (32 heads, 8 KV heads of 128) a layer's decode
-# took 1,067 us instead of 1,610 at batch 1 and 1M tokens (bf16's: 1,080), 175 instead of 256 at
-# batch 256 and 640 tokens (bf16's: 161) (docs/benchmarks/2026-12-03-fp8-decode-and-1m-prefill-h200.md).
+# Over an fp8 cache, tiles of 128 keys: a tile's scales are loaded a page's run at a time, and twice
+# the keys a tile halve those rounds. On an H200 (32 heads, 8 KV heads of 128), a layer's decode at
+# batch 1 and 1M tokens / batch 256 and 640 tokens: 64-key tiles 1,403 / 194 us, 128-key tiles
+# 1,014 / 166, bf16's 1,081 / 159 (docs/benchmarks/2026-12-03-fp8-decode-and-1m-prefill-h200.md).
 GPU_FP8_BLOCK_N = 128
 
 
@@ -389,7 +396,7 @@ def paged_decode(
     capacity of the block table, which keeps the launch shape-only for CUDA graphs). step_kv: this
     step's (key, value [num_seqs, num_kv_heads, head_dim], slot_mapping [num_seqs]) not yet in the
     cache; the kernel stores them (as `kv_write.write_kv` would) before it reads them. kv_scale
-    [2, num_blocks, block_size, num_kv_heads] float32, contiguous: the cache is fp8 with these scales.
+    [2, num_blocks, num_kv_heads, block_size] float32, contiguous: the cache is fp8 with these scales.
     selection: (chosen [num_seqs, num_kv_heads, k - 1] block-table columns, lengths [num_seqs]) from
     `decode_selection`: a sequence of length > 0 attends over its chosen blocks and its current one. key_summary
     [2, num_blocks, num_kv_heads, head_dim], contiguous: the step's keys are folded into it as

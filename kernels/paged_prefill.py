@@ -104,8 +104,8 @@ def _prefill_kernel(
             k = tl.load(k_ptr + base[:, None] + dims[None, :], mask=kv_mask, other=0.0)
             v = tl.load(v_ptr + base[:, None] + dims[None, :], mask=kv_mask, other=0.0)
             if SCALED:  # an fp8 cache (paged only): each (token, KV head) row times its scale
-                # The scales are contiguous: a slot's row of KV heads at slot * num_kv_heads.
-                scale_at = (page * BLOCK_SIZE + pos % BLOCK_SIZE) * num_kv_heads + kv_head
+                # [2, blocks, KV heads, BLOCK_SIZE]: a page's scales of this head are one contiguous run.
+                scale_at = (page * num_kv_heads + kv_head) * BLOCK_SIZE + pos % BLOCK_SIZE
                 k_scale = tl.load(ks_ptr + scale_at, mask=in_ctx, other=0.0)
                 v_scale = tl.load(vs_ptr + scale_at, mask=in_ctx, other=0.0)
                 k = (k.to(tl.float32) * k_scale[:, None]).to(q.dtype)
@@ -212,7 +212,7 @@ def paged_prefill(
     kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Queries of each sequence (its last q_len positions) against all its earlier paged KV; with
-    kv_scale [2, num_blocks, block_size, num_kv_heads] float32, an fp8 cache with these scales."""
+    kv_scale [2, num_blocks, num_kv_heads, block_size] float32, an fp8 cache with these scales."""
     return _launch(query, kv_cache[0], kv_cache[1], query_start_loc, seq_lens, block_tables,
                    scale, sliding_window, softcap, out, block_m, block_n, kv_scale)  # fmt: skip
 

@@ -30,7 +30,7 @@ def write_kv(
 ) -> None:
     """Store each token's key and value at its slot of the paged cache; slot -1 is skipped.
 
-    kv_scale [2, num_blocks, block_size, num_kv_heads] float32: the cache is fp8, and each (token,
+    kv_scale [2, num_blocks, num_kv_heads, block_size] float32: the cache is fp8, and each (token,
     KV head) row is stored scaled by its own scale, written beside it (`fp8_format.quantize_kv`)."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
@@ -39,12 +39,12 @@ def write_kv(
         flat[0].index_copy_(0, slots, key[keep].to(kv_cache.dtype))
         flat[1].index_copy_(0, slots, value[keep].to(kv_cache.dtype))
         return
-    flat_scale = kv_scale.view(2, -1, kv_scale.shape[-1])
+    block_size = kv_cache.shape[2]
     for i, x in enumerate((key, value)):
         q, scale = quantize_kv(x[keep])
         # Copied as bytes: torch's CPU indexing ops do not take float8 tensors.
         flat[i].view(torch.uint8).index_copy_(0, slots, q.view(torch.uint8))
-        flat_scale[i].index_copy_(0, slots, scale)
+        kv_scale[i][slots // block_size, :, slots % block_size] = scale
 
 
 def gather_kv(
@@ -58,9 +58,11 @@ def gather_kv(
     flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
     if kv_scale is None:
         return flat[0, slots], flat[1, slots]
-    flat_scale = kv_scale.view(2, -1, kv_scale.shape[-1])
+    pages, offsets = slots // block_size, slots % block_size
     as_bytes = flat.view(torch.uint8)  # torch's CPU indexing ops do not take float8 tensors
-    return tuple(dequantize_kv(as_bytes[i, slots].view(kv_cache.dtype), flat_scale[i, slots]) for i in (0, 1))
+    return tuple(
+        dequantize_kv(as_bytes[i, slots].view(kv_cache.dtype), kv_scale[i][pages, :, offsets]) for i in (0, 1)
+    )
 
 
 def update_key_summaries(
@@ -144,7 +146,7 @@ def candidate_scores(
         keys = kv_cache[0][pages, :, heads].float()  # [S, Hkv, c, block_size, D]
     else:  # torch's CPU indexing ops do not take float8 tensors
         as_bytes = kv_cache[0].view(torch.uint8)[pages, :, heads].view(kv_cache.dtype)
-        keys = dequantize_kv(as_bytes, kv_scale[0][pages, :, heads])
+        keys = dequantize_kv(as_bytes, kv_scale[0][pages, heads])
     q = query.float().view(num_seqs, num_kv, num_heads // num_kv, dim)
     exact = torch.einsum("skgd,skctd->skgct", q, keys).amax(dim=(2, 4))
     given = bound.gather(2, candidates)

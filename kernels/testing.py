@@ -22,7 +22,7 @@ class PagedBatch:
     query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
     seq_lens: torch.Tensor  # int32 [num_seqs]
     slot_mapping: torch.Tensor  # int64 [num_tokens]: this step's slots
-    kv_scale: torch.Tensor | None = None  # [2, num_blocks, block_size, num_kv_heads]: an fp8 cache's scales
+    kv_scale: torch.Tensor | None = None  # [2, num_blocks, num_kv_heads, block_size]: an fp8 cache's scales
 
 
 def make_paged_batch(
@@ -84,7 +84,8 @@ def with_fp8_cache(batch: PagedBatch) -> PagedBatch:
     cache = batch.kv_cache
     rows = cache.reshape(-1, *cache.shape[-2:])
     q, scale = quantize_kv(rows)
-    return replace(batch, kv_cache=q.view(cache.shape), kv_scale=scale.view(cache.shape[:-1]))
+    scales = scale.view(cache.shape[:-1]).transpose(2, 3).contiguous()  # [2, blocks, heads, block_size]
+    return replace(batch, kv_cache=q.view(cache.shape), kv_scale=scales)
 
 
 def to_device(t: torch.Tensor, device: str | torch.device) -> torch.Tensor:

@@ -30,7 +30,7 @@ def measure(context: int, selection: DecodeSelection, fp8: bool) -> str:
     scale = None
     if fp8:
         cache = cache.to(torch.float8_e4m3fn)
-        scale = torch.ones(2, blocks, bs, kv_heads, device=dev)
+        scale = torch.ones(2, blocks, kv_heads, bs, device=dev)
     summary = torch.randn(2, blocks, kv_heads, dim, device=dev, dtype=torch.bfloat16).sort(0).values
     table = torch.randperm(blocks, device=dev, dtype=torch.int32)[None]
     seq_lens = torch.tensor([context], device=dev, dtype=torch.int32)

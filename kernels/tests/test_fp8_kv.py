@@ -20,7 +20,7 @@ ATOL = {torch.float32: 2e-5, torch.float16: 4e-3}
 
 def _empty_fp8_cache(num_blocks: int, block_size: int, heads: int, dim: int, device) -> tuple:
     cache = torch.full((2, num_blocks, block_size, heads, dim), float("nan")).to(FP8)
-    scale = torch.full((2, num_blocks, block_size, heads), -1.0)
+    scale = torch.full((2, num_blocks, heads, block_size), -1.0)  # the pool's layout
     return cache.to(device), scale.to(device)
 
 
@@ -88,7 +88,8 @@ def test_decode_stores_the_step_kv_into_fp8(device, splits):
     cache, kv_scale = batch.kv_cache.clone(), batch.kv_scale.clone()
     poisoned = slots[slots >= 0].long()
     cache.view(2, -1, *cache.shape[-2:])[:, poisoned] = float("nan")
-    kv_scale.view(2, -1, kv_scale.shape[-1])[:, poisoned] = float("nan")
+    block_size = cache.shape[2]
+    kv_scale[:, poisoned // block_size, :, poisoned % block_size] = float("nan")
     out = torch.full_like(batch.query, float("nan"))
     paged_decode(batch.query, cache, batch.block_tables, batch.seq_lens, 0.3, out=out, num_splits=splits,
                  step_kv=(full.key, full.value, slots), kv_scale=kv_scale)  # fmt: skip

@@ -27,7 +27,7 @@ class AttentionLayerParams:
     scale: float
     softcap: float | None = None
     layer_idx: int = 0  # per-layer settings (sparse patterns) are keyed by it
-    # An fp8 cache's scales, [2, num_blocks, block_size, num_kv_heads] float32 (kv_cache/spec.py):
+    # An fp8 cache's scales, [2, num_blocks, num_kv_heads, block_size] float32 (kv_cache/spec.py):
     # the backend writes and reads the layer's cache through them. None for a cache in the model's dtype.
     kv_scale: torch.Tensor | None = None
     # The layer's key summary per block, [2, num_blocks, num_kv_heads, head_dim]: the backend folds

@@ -136,10 +136,16 @@ def gathered_blocks(
         rows = pool.view(pool.shape[0], -1).index_select(0, group.block_ids)
         return rows.view(batch, length, *pool.shape[2:])
 
+    def gather_scales(scales: torch.Tensor) -> torch.Tensor:  # [num_blocks, H_kv, block_size] -> [B, L, H_kv]
+        rows = scales.index_select(0, group.block_ids).view(batch, group.num_blocks, *scales.shape[1:])
+        return rows.transpose(2, 3).reshape(batch, length, scales.shape[1])
+
     if kv_scale is None:
         return gather(kv_cache[0]), gather(kv_cache[1])
     as_bytes = kv_cache.view(torch.uint8)  # torch's CPU indexing ops do not take float8 tensors
-    return tuple(dequantize_kv(gather(as_bytes[i]).view(kv_cache.dtype), gather(kv_scale[i])) for i in (0, 1))
+    return tuple(
+        dequantize_kv(gather(as_bytes[i]).view(kv_cache.dtype), gather_scales(kv_scale[i])) for i in (0, 1)
+    )
 
 
 def chosen_positions(

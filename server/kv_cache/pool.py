@@ -27,10 +27,10 @@ def allocate_kv_caches(
 def allocate_kv_scales(
     specs: list[KVCacheSpec], num_blocks: int, block_size: int, device: torch.device
 ) -> list[torch.Tensor | None]:
-    """Per layer, an fp8 cache's scales [2, num_blocks, block_size, num_kv_heads] float32 (zeros:
+    """Per layer, an fp8 cache's scales [2, num_blocks, num_kv_heads, block_size] float32 (zeros:
     a slot is read only after its row and scale are written), or None for a cache without."""
     return [
-        torch.zeros(2, num_blocks, block_size, spec.num_kv_heads, dtype=torch.float32, device=device)
+        torch.zeros(2, num_blocks, spec.num_kv_heads, block_size, dtype=torch.float32, device=device)
         if spec.scaled
         else None
         for spec in specs

@@ -7,9 +7,11 @@ A backend that cannot skip a write (slot -1) asks for scratch blocks at the end 
 the blocks the block manager hands out (`AttentionBackend.scratch_blocks`, `scratch_slot`).
 
 An fp8 cache (`--kv-cache-dtype fp8`) stores e4m3 values and, beside them, one float32 scale per
-(token, KV head) row, set when the row is written: [2, num_blocks, block_size, num_kv_heads]
+(token, KV head) row, set when the row is written: [2, num_blocks, num_kv_heads, block_size]
 (`kernels/fp8_format.quantize_kv`). A scale per row needs no calibration and never saturates; it
-costs 4 bytes a head_dim-long row (3% at 128).
+costs 4 bytes a head_dim-long row (3% at 128). A KV head's scales of a block are contiguous, so a
+kernel reading a tile of one head's keys loads their scales as one run, not one 4-byte word per
+32-byte sector.
 
 Where decode attention selects blocks (`--decode-attention-budget`), each full-attention layer also
 keeps a key summary per block: the channel-wise minimum and maximum of its keys, in the model's

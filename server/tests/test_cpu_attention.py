@@ -49,7 +49,7 @@ def run_backend(contexts, q_lens, num_heads, num_kv, dim, block_size, window, so
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(math.ceil(n / block_size) for n in contexts) + 3
     cache = torch.zeros(2, num_blocks, block_size, num_kv, dim, dtype=FP8 if fp8 else torch.float32)
-    kv_scale = torch.zeros(2, num_blocks, block_size, num_kv) if fp8 else None
+    kv_scale = torch.zeros(2, num_blocks, num_kv, block_size) if fp8 else None
     free = list(range(num_blocks))
     random.Random(seed).shuffle(free)  # scattered, non-contiguous blocks
     tables, full = [], []
