@@ -17,15 +17,17 @@ import torch
 from tgserve.kernels.fp8_format import GEMV_MAX_ROWS, dequantized_product, quantize_rows
 
 
-def quantize_rows_fast(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`fp8_format.quantize_rows` of rows [M, K]: on CUDA, where the columns are contiguous, by the
-    Triton kernel (bit for bit torch's, in one launch and without a float32 copy of the rows);
-    torch's own elsewhere (the interpreter rounds some values to e4m3 wrongly)."""
+def quantize_rows_fast(
+    rows: torch.Tensor, scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fp8_format.quantize_rows` of rows [M, K] (and a given scale): on CUDA, where the columns
+    are contiguous, by the Triton kernel (bit for bit torch's, in one launch and without a float32
+    copy of the rows); torch's own elsewhere (the interpreter rounds some values to e4m3 wrongly)."""
     if rows.is_cuda and rows.stride(-1) == 1:
         from tgserve.kernels.fp8_rows import quantize_rows_triton
 
-        return quantize_rows_triton(rows)
-    return quantize_rows(rows)
+        return quantize_rows_triton(rows, scale)
+    return quantize_rows(rows, scale)
 
 
 def fp8_linear(

@@ -20,10 +20,19 @@ TINY_SCALE = torch.finfo(torch.float32).tiny  # an all-zero row gets a scale tha
 INV_FP8_MAX = 1.0 / FP8_MAX
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp8 [M, K], float32 scale [M, 1]): each row of x [M, K] scaled so its largest magnitude is 448."""
-    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=TINY_SCALE) * INV_FP8_MAX
+def quantize_rows(x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 [M, K], float32 scale [M, 1]): each row of x [M, K] scaled so its largest magnitude is
+    448, or divided by the given scale (float32 [M, 1], or [1, 1] for every row: `tensor_scale`)."""
+    if scale is None:
+        scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=TINY_SCALE) * INV_FP8_MAX
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def tensor_scale(x: torch.Tensor) -> torch.Tensor:
+    """float32 [1, 1]: the one scale that brings x's largest magnitude to 448 (two reductions, no
+    copy of x: its largest magnitude is the larger of its maximum and minus its minimum)."""
+    amax = torch.maximum(x.amax(), -x.amin()).float().clamp(min=TINY_SCALE)
+    return (amax * INV_FP8_MAX).reshape(1, 1)
 
 
 def dequantized_product(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from tgserve.kernels.fp8_format import quantize_rows
+from tgserve.kernels.fp8_format import quantize_rows, tensor_scale
 
 
 def host_values(values: list[int], device: torch.device) -> torch.Tensor:
@@ -167,9 +167,11 @@ def pooled_max_scores(
     qm = block_means(q, block).transpose(0, 1)  # [G, Q, d]
     per_key = torch.full((q.shape[1], nq, nq * block), float("-inf"), device=q.device)
     if fp8_products(k):
-        qm8 = quantize_rows(qm.reshape(-1, qm.shape[-1]))[0]  # unscaled: one positive factor a row
-        k8, k_scale = quantize_rows(k)
-        product = (qm8.float() @ k8.float().t()) * k_scale.t()  # e4m3 products are exact in float32
+        # Left unscaled: a row's query scale and the head's key scale are positive factors of
+        # the whole row, and the ranking is within a row.
+        qm8 = quantize_rows(qm.reshape(-1, qm.shape[-1]))[0]
+        k8 = quantize_rows(k, tensor_scale(k))[0]
+        product = qm8.float() @ k8.float().t()  # e4m3 products are exact in float32
         per_key[..., :n] = product.view(*qm.shape[:2], n) * scale
     else:
         per_key[..., :n] = (qm @ k.float().t()) * scale

@@ -14,15 +14,19 @@ QK^T of the block means, 1/(2 * block) of dense causal attention. Programs are i
 (the last query blocks see the most keys) so that the causal imbalance packs into few waves.
 Grouped-query natively: a head reads the keys of head // group in place.
 
-From 16-bit inputs the products are e4m3 (`fp8_format`'s rows: each block-mean query and each key
-scaled so its largest element is 448). The estimate grows with the square of the prompt: at 1M
-tokens of Llama-3-8B's shape it took 166 ms a layer in bf16 (5.4 s of a 37 s prefill), 142 in e4m3
-on an H200; at 128K 3.6 and 3.9 (the keys' quantization). The tensor cores multiply e4m3 at twice
-bf16's rate: a gain of 14% says the products are not most of the time (the pooling and the running
-top-R are the next suspects). The twin rounds the same rows to the
-same e4m3 values, so both rank the same scores (a row's products are left unscaled by its query's
-scale, one positive factor: the ranking is within a row); fp32 inputs (exact tests) keep fp32
-products.
+From 16-bit inputs the products are e4m3: each block-mean query scaled so its largest element is
+448 (`fp8_format.quantize_rows`), and each KV head's keys by one scale (`tensor_scale`), so that
+the scores need no per-key factor: a row's products are left unscaled, its query's scale and its
+head's key scale being positive factors of the whole row, and the ranking is within a row. e4m3
+is a float format, so one scale a head costs no relative precision above 2^-6 of the head's largest
+element. The twin rounds the same rows to the same e4m3 values, so both rank the same scores;
+fp32 inputs (exact tests) keep fp32 products.
+
+The estimate grows with the square of the prompt. At 1M tokens of Llama-3-8B's shape on an H200
+(one layer, random bf16): 166 ms in bf16 products, 142 in e4m3 with a scale a key (the products
+are not most of the time); the per-key scale's multiply cost 16 ms and the per-key column mask
+15 ms, which one scale a head and masking only the steps that need it remove: 142.7 -> 112.6 ms
+(128K: 3.7 -> 3.5-3.8, within the run-to-run spread).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import triton
 import triton.language as tl
 
 from tgserve.kernels.fp8 import quantize_rows_fast
-from tgserve.kernels.fp8_format import FP8
+from tgserve.kernels.fp8_format import INV_FP8_MAX, TINY_SCALE
 from tgserve.kernels.sparse.estimate import block_means, fp8_products, head_index, host_values
 from tgserve.kernels.triton_common import dot_precision, interpreting
 
@@ -46,11 +50,10 @@ LAUNCH = {"block_r": 128, "num_warps": 4, "num_stages": 2, "key_blocks": 2}
 # Lengths and counts unspecialised, as kernel.LENGTH_ARGS: every prompt length shares one compile.
 @triton.jit(do_not_specialize=["n", "num_qb", "num_tiles", "num_rows", "words"])
 def _rescue_kernel(
-    qm_ptr, k_ptr, ks_ptr, head_ptr, skip_ptr, cover_ptr, bits_ptr, val_ptr, idx_ptr,
-    n, num_qb, num_tiles, num_rows, group, head_dim, stride_kt, stride_kh, stride_ksh, words,
+    qm_ptr, k_ptr, head_ptr, skip_ptr, skip_blocks_ptr, cover_ptr, bits_ptr, val_ptr, idx_ptr,
+    n, num_qb, num_tiles, num_rows, group, head_dim, stride_kt, stride_kh, words,
     BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, R: tl.constexpr,
     HAS_SKIP: tl.constexpr, HAS_BITS: tl.constexpr, PRECISION: tl.constexpr, KEY_BLOCKS: tl.constexpr,
-    FP8: tl.constexpr = False,
 ):  # fmt: skip
     pid = tl.program_id(0)
     tile = num_tiles - 1 - pid // num_rows  # longest tiles first, all heads of a tile together
@@ -77,14 +80,19 @@ def _rescue_kernel(
         k = tl.load(k_ptrs + pos.to(tl.int64)[:, None] * stride_kt, mask=in_seq[:, None] & dim_ok[None, :],
                     other=0.0)  # fmt: skip
         s = tl.dot(qm, tl.trans(k), input_precision=PRECISION)
-        if FP8:  # the keys' scales; a row's own scale, one positive factor, changes no rank in it
-            k_scale = tl.load(ks_ptr + kv.to(tl.int64) * stride_ksh + pos, mask=in_seq, other=0.0)
-            s = s * k_scale[None, :]
-        allowed = in_seq
+        # Keys past n (the last step) and the head's columns are masked; a step whose blocks hold
+        # neither (nearly all: a head has ~1,000 columns in thousands of blocks) skips the per-key
+        # load and select (13% of the kernel's time at 1M tokens).
+        masked = (j0 + KEY_BLOCKS) * BLOCK > n
         if HAS_SKIP:
-            skip = tl.load(skip_ptr + row.to(tl.int64) * n + pos, mask=in_seq, other=1)
-            allowed = allowed & (skip == 0)
-        s = tl.where(allowed[None, :], s, float("-inf"))
+            flags = tl.load(skip_blocks_ptr + base + j0 + sub, mask=j0 + sub < num_qb, other=0)
+            masked = masked | (tl.max(flags, 0) > 0)
+        if masked:
+            allowed = in_seq
+            if HAS_SKIP:
+                skip = tl.load(skip_ptr + row.to(tl.int64) * n + pos, mask=in_seq, other=1)
+                allowed = allowed & (skip == 0)
+            s = tl.where(allowed[None, :], s, float("-inf"))
         pooled = tl.max(tl.reshape(s, [BLOCK_R, KEY_BLOCKS, BLOCK]), 2)  # [BLOCK_R, KEY_BLOCKS]
         for b in tl.static_range(KEY_BLOCKS):
             j = j0 + b
@@ -119,15 +127,14 @@ def listed_bitmap(listed: torch.Tensor, nq: int) -> torch.Tensor:
     return bits[..., :words].contiguous()
 
 
-def _e4m3_keys(key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 [Hkv, n, d], float32 scales [Hkv, n]) of key [n, Hkv, d], a KV head at a time."""
+def _e4m3_keys(key: torch.Tensor) -> torch.Tensor:
+    """e4m3 [n, Hkv, d] of key [n, Hkv, d], one scale a KV head (`fp8_format.tensor_scale` of
+    key[:, h], from two reductions over all heads at once), quantized in one launch."""
     n, num_kv, dim = key.shape
-    values = torch.empty(num_kv, n, dim, dtype=FP8, device=key.device)
-    scales = torch.empty(num_kv, n, dtype=torch.float32, device=key.device)
-    for h in range(num_kv):  # one head's rows at a time: a copy of them all would be 1 GiB at 1M tokens
-        q, scale = quantize_rows_fast(key[:, h])
-        values[h], scales[h] = q, scale[:, 0]
-    return values.transpose(0, 1), scales
+    amax = torch.maximum(key.amax(dim=(0, 2)), -key.amin(dim=(0, 2))).float().clamp(min=TINY_SCALE)
+    scales = (amax * INV_FP8_MAX)[:, None]  # [Hkv, 1]: as tensor_scale gives each head's, bit for bit
+    rows = key.reshape(n * num_kv, dim)
+    return quantize_rows_fast(rows, scales.repeat(n, 1))[0].view(n, num_kv, dim)
 
 
 def rescue_blocks_triton(
@@ -145,18 +152,22 @@ def rescue_blocks_triton(
     width = max(1, min(nq, max(budget)))
     top_r = max(2, triton.next_power_of_2(width))
     qm = block_means(query, block)[:, head_index(heads, device)].transpose(0, 1)  # [S, Q, d]
-    fp8 = fp8_products(key)
-    if fp8:
+    if fp8_products(key):
         qm = quantize_rows_fast(qm.reshape(-1, head_dim))[0]
-        key, k_scale = _e4m3_keys(key)
+        key = _e4m3_keys(key)
     else:
-        qm, k_scale = qm.to(key.dtype).contiguous(), qm  # scales unread
+        qm = qm.to(key.dtype).contiguous()
     cover8 = cover.to(torch.int8).contiguous()
-    skip = bits = cover8  # placeholders when absent
+    skip = skip_blocks = bits = cover8  # placeholders when absent
     if columns is not None:
+        at = torch.where(columns >= 0, columns.long(), n)
         skip = torch.zeros(rows, n + 1, dtype=torch.int8, device=device)
-        skip.scatter_(1, torch.where(columns >= 0, columns.long(), n), 1)
+        skip.scatter_(1, at, 1)
         skip = skip[:, :n].contiguous()
+        # The key blocks holding a column: the only steps that need the per-key mask.
+        skip_blocks = torch.zeros(rows, nq + 1, dtype=torch.int8, device=device)
+        skip_blocks.scatter_(1, torch.where(columns >= 0, at // block, nq), 1)
+        skip_blocks = skip_blocks[:, :nq].contiguous()
     if listed is not None:
         bits = listed_bitmap(listed, nq)
     values = torch.empty(rows, nq, top_r, dtype=torch.float32, device=device)
@@ -165,12 +176,12 @@ def rescue_blocks_triton(
     tiles = triton.cdiv(nq, block_r)
     assert key.stride(2) == 1
     _rescue_kernel[(tiles * rows,)](
-        qm, key, k_scale, host_values(heads, device), skip, cover8, bits, values, index,
-        n, nq, tiles, rows, group, head_dim, key.stride(0), key.stride(1), k_scale.stride(0), -(-nq // BITS),
+        qm, key, host_values(heads, device), skip, skip_blocks, cover8, bits, values, index,
+        n, nq, tiles, rows, group, head_dim, key.stride(0), key.stride(1), -(-nq // BITS),
         BLOCK=block, BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(head_dim), R=top_r,
         HAS_SKIP=columns is not None, HAS_BITS=listed is not None, PRECISION=dot_precision(key.dtype),
         num_warps=4 if interpreting() else LAUNCH["num_warps"], num_stages=LAUNCH["num_stages"],
-        KEY_BLOCKS=LAUNCH["key_blocks"], FP8=fp8,
+        KEY_BLOCKS=LAUNCH["key_blocks"],
     )  # fmt: skip
     top = torch.topk(values, width, dim=-1)
     limit = host_values(budget, device)[:, None, None]

@@ -12,7 +12,7 @@ import torch
 
 from tgserve.kernels import dispatch
 from tgserve.kernels.fp8 import fp8_linear
-from tgserve.kernels.fp8_format import FP8, FP8_MAX, quantize_rows
+from tgserve.kernels.fp8_format import FP8, FP8_MAX, quantize_rows, tensor_scale
 
 
 def _randn(*shape: int, seed: int, scale: float = 1.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -53,10 +53,11 @@ def test_dispatch_takes_the_fp8_product_when_given_a_scale_and_handles_no_rows()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(1, 4096), (3, 576), (17, 14336), (256, 4096), (5, 1536)])
+@pytest.mark.parametrize("shape", [(1, 4096), (3, 576), (17, 14336), (256, 4096), (5, 1536), (1001, 128)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("given", [None, "tensor", "rows"])
 def test_triton_quantization_matches_torch_bit_for_bit_gpu(
-    shape: tuple[int, int], dtype: torch.dtype
+    shape: tuple[int, int], dtype: torch.dtype, given: str | None
 ) -> None:
     from tgserve.kernels.fp8_rows import quantize_rows_triton
 
@@ -64,10 +65,21 @@ def test_triton_quantization_matches_torch_bit_for_bit_gpu(
     x[0, : shape[1] // 2] = 0.0
     if shape[0] > 2:
         x[2] = 0.0
-    q, scale = quantize_rows_triton(x)
-    q_ref, scale_ref = quantize_rows(x)
-    assert torch.equal(scale, scale_ref)
+    given_scales = {"tensor": tensor_scale(x), "rows": torch.rand(shape[0], 1, device="cuda") + 0.01}
+    scale = given_scales.get(given)
+    q, got_scale = quantize_rows_triton(x, scale)
+    q_ref, scale_ref = quantize_rows(x, scale)
+    assert torch.equal(got_scale, scale_ref.expand_as(got_scale))
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+def test_tensor_scale_brings_the_largest_magnitude_to_448() -> None:
+    x = _randn(64, 32, seed=9)
+    x[5, 7] = -37.0  # the largest magnitude is a negative value
+    scale = tensor_scale(x)
+    assert scale.shape == (1, 1) and scale.item() == pytest.approx(37.0 / 448)
+    q, _ = quantize_rows(x, scale)
+    assert q.float().abs().max().item() == 448.0 and q[5, 7].item() == -448.0
 
 
 @pytest.mark.gpu

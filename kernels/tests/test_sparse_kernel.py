@@ -128,6 +128,20 @@ def test_rescue_blocks_triton_match_torch(device, held, budget, key_blocks, dtyp
     assert torch.equal(got.cpu().sort(-1).values, want.sort(-1).values)
 
 
+def test_rescue_keys_take_one_scale_a_kv_head():
+    """The rescue's e4m3 keys are each KV head's keys quantized by that head's one scale, as the
+    twin rounds them (`estimate.pooled_max_scores`)."""
+    from tgserve.kernels.fp8_format import quantize_rows, tensor_scale
+    from tgserve.kernels.sparse.pooled import _e4m3_keys
+
+    _, k, _ = _qkv(150, 4, 2, 32, torch.bfloat16, seed=5)
+    k[:, 1] *= 30.0  # heads of different ranges: one scale for both would not do
+    got = _e4m3_keys(k)
+    for h in range(2):
+        want = quantize_rows(k[:, h], tensor_scale(k[:, h]))[0]
+        assert torch.equal(got[:, h].view(torch.uint8), want.view(torch.uint8))
+
+
 def test_triton_estimation_gives_the_torch_index(device):
     """The whole estimation, mixed per-head patterns: Triton and torch build the same mask."""
     n, block = 150, 16
