@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 STARTUP_TIMEOUT_S = 600  # a cold SmolLM2 load on two busy cores
 # On a GPU host every server of the session and the tests' offline engines share the GPU, each with
@@ -77,6 +78,24 @@ class ServerProcess:
             time.sleep(0.5)
         self.stop()
         raise RuntimeError(f"server not ready after {timeout_s}s:\n{self.log_tail()}")
+
+    def gauges(self) -> dict[str, float]:
+        """/metrics as {name: first sample's value}, through the Prometheus text parser."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        return {f.name: f.samples[0].value for f in text_string_to_metric_families(text) if f.samples}
+
+    def wait_until_idle(self, timeout_s: float = 20.0) -> dict[str, float]:
+        """The engine pushes stats while idle: the gauges once they show no work and every block
+        free (or as they are after `timeout_s`)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            gauges = self.gauges()
+            idle = gauges["tgi_batch_current_size"] == 0 and gauges["tgi_queue_size"] == 0
+            if idle and gauges["tgserve_kv_cache_free_blocks"] == gauges["tgserve_kv_cache_total_blocks"]:
+                return gauges
+            if time.monotonic() > deadline:
+                return gauges
+            time.sleep(0.2)
 
     def engine_pid(self) -> int:
         """The launcher's one child process is the engine."""

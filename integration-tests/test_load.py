@@ -3,31 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import openai
-from prometheus_client.parser import text_string_to_metric_families
 
 NUM_CLIENTS = 64
-
-
-def engine_gauges(server) -> dict[str, float]:
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    return {f.name: f.samples[0].value for f in text_string_to_metric_families(text) if f.samples}
-
-
-def wait_until_idle(server, timeout_s: float = 20.0) -> dict[str, float]:
-    """The engine pushes stats while idle; wait for them to show no work and every block free."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        gauges = engine_gauges(server)
-        idle = gauges["tgi_batch_current_size"] == 0 and gauges["tgi_queue_size"] == 0
-        if idle and gauges["tgserve_kv_cache_free_blocks"] == gauges["tgserve_kv_cache_total_blocks"]:
-            return gauges
-        if time.monotonic() > deadline:
-            return gauges
-        time.sleep(0.2)
 
 
 def test_64_concurrent_streams_are_complete_and_uncorrupted(tiny_server):
@@ -56,7 +36,7 @@ def test_64_concurrent_streams_are_complete_and_uncorrupted(tiny_server):
     expected, results = asyncio.run(run())
     assert all(reason in ("length", "stop") for _, reason in results)
     assert [text for text, _ in results[:8]] == expected
-    assert wait_until_idle(tiny_server)["tgserve_kv_cache_free_blocks"] > 0
+    assert tiny_server.wait_until_idle()["tgserve_kv_cache_free_blocks"] > 0
 
 
 def test_aborting_half_mid_stream_frees_every_block(tiny_server):
@@ -83,8 +63,8 @@ def test_aborting_half_mid_stream_frees_every_block(tiny_server):
     counts = asyncio.run(run())
     assert all(c == 3 for c in counts[::2])
     assert all(c > 100 for c in counts[1::2])  # the other half ran to the end
-    gauges = wait_until_idle(tiny_server)
+    gauges = tiny_server.wait_until_idle()
     assert gauges["tgserve_kv_cache_free_blocks"] == gauges["tgserve_kv_cache_total_blocks"]
     assert gauges["tgi_batch_current_size"] == 0
-    failures = engine_gauges(tiny_server)
+    failures = tiny_server.gauges()
     assert failures["tgi_request_count"] >= NUM_CLIENTS

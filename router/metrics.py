@@ -98,7 +98,35 @@ class EngineStatsCollector(Collector):
             "tgserve_prefix_cache_hits", "Prompt tokens found in the prefix cache", stats.prefix_cache_hits
         )
         yield _gauge("tgserve_prefix_cache_hit_rate", "Prefix-cache hits / queries since start", hit_rate)
+        yield from _host_tier_metrics(stats)
         yield from _step_metrics(stats.step_durations)
+
+
+def _host_tier_metrics(stats: EngineStats) -> Iterator[Metric]:
+    """The host tier of the prefix cache (--kv-offload-gb): zeros when it is off."""
+    yield _gauge(
+        "tgserve_kv_host_total_blocks", "KV blocks the host tier holds at most", stats.host_num_total_blocks
+    )
+    yield _gauge("tgserve_kv_host_used_blocks", "KV blocks the host tier holds", stats.host_num_used_blocks)
+    yield _counter(
+        "tgserve_kv_host_prefix_hits", "Prompt tokens loaded from the host tier instead of computed",
+        stats.host_prefix_hits,
+    )  # fmt: skip
+    bytes_per_block = stats.host_block_bytes
+    moved = (
+        ("offloaded", "written from the KV pool to the host tier", stats.host_offloaded_blocks),
+        ("loaded", "loaded from the host tier into the KV pool", stats.host_loaded_blocks),
+    )
+    for name, what, blocks in moved:
+        yield _counter(f"tgserve_kv_host_{name}_blocks", f"KV blocks {what}", blocks)
+        yield _counter(
+            f"tgserve_kv_host_{name}_bytes", f"Bytes of KV blocks {what}", blocks * bytes_per_block
+        )
+    yield _counter(
+        "tgserve_kv_host_evicted_blocks",
+        "KV blocks dropped from the full host tier",
+        stats.host_evicted_blocks,
+    )
 
 
 def _step_metrics(durations: list[StepDurations]) -> Iterator[Metric]:

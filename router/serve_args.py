@@ -90,6 +90,13 @@ FLAGS: tuple[Flag, ...] = (
         "highest, the first and the most recent (0: always dense; CUDA and the CPU)",
     ),
     Flag("decode-attention-min-context", int, 32768, "Contexts longer than this select blocks to attend"),
+    Flag(
+        "kv-offload-gb",
+        float,
+        0.0,
+        "GiB of host memory for prefix-cache blocks evicted from the KV pool, loaded back on a hit instead of "
+        "recomputed (0: off; CUDA and the CPU)",
+    ),
     Flag("hostname", str, "0.0.0.0", "Address to listen on"),
     Flag("port", int, 3000, "Port to listen on"),
     Flag("num-shard", int, None, "Tensor-parallel shards (GPUs or HPUs)"),
@@ -242,6 +249,7 @@ def engine_args(args: argparse.Namespace) -> dict[str, Any]:
         "kv_cache_dtype": args.kv_cache_dtype,
         "decode_attention_budget": args.decode_attention_budget,
         "decode_attention_min_context": args.decode_attention_min_context,
+        "kv_offload_gb": args.kv_offload_gb,
     }
     if args.allow_pickle_weights:
         result["allow_pickle"] = True

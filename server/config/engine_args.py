@@ -38,6 +38,10 @@ class EngineArgs:
     # where the model's length passes the threshold. CPU and CUDA.
     decode_attention_budget: int = 4096
     decode_attention_min_context: int = 32768
+    # Host memory (GiB, all shards together) for full prefix blocks evicted from the KV pool: a
+    # later request with that prefix loads them back instead of recomputing (0: off). CUDA and the
+    # CPU (where a second CPU pool stands in for host memory); core/host_tier.py.
+    kv_offload_gb: float = 0.0
     tensor_parallel_size: int = 1  # --num-shard: shards of the model, one device each (llama family)
     # Schedule step N+1 while the device runs step N (None: on GPUs, where the host would otherwise
     # idle the device; on the CPU there is nothing to overlap).

@@ -23,12 +23,15 @@ class SchedulerConfig:
     num_blocks: int = 1024
     enable_prefix_caching: bool = True
     whole_prompt_tokens: int | None = None
+    num_host_blocks: int = 0  # the host tier of the prefix cache (core/host_tier.py); 0: off
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size", "num_blocks"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.num_host_blocks, int) or self.num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks must be a non-negative integer, got {self.num_host_blocks!r}")
         whole = self.whole_prompt_tokens
         if whole is not None and (not isinstance(whole, int) or whole <= 0):
             raise ValueError(f"whole_prompt_tokens must be a positive integer or None, got {whole!r}")

@@ -8,11 +8,23 @@ that wants a scratch block for padded (CUDA-graph) slots uses slot -1 or sizes i
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass, field
 
+from tgserve.server.core.host_tier import HostTier, KVTransfers
 from tgserve.server.core.request import Request
 
 # The hash of a block is hash((parent_block_hash, tuple(token_ids))); the first block's parent is None.
 BlockHash = int
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """The cached start of a request's tokens: device blocks, then host blocks that continue them
+    (loaded into fresh device blocks when the request is admitted), `num_tokens` in all."""
+
+    block_ids: list[int] = field(default_factory=list)
+    host_blocks: list[int] = field(default_factory=list)
+    num_tokens: int = 0
 
 
 class _Block:
@@ -40,7 +52,13 @@ class BlockManager:
     valid) until it is reused for something else, so a finished request's prefix can still be hit.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        host_tier: HostTier | None = None,
+    ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
         self.block_size = block_size
@@ -60,11 +78,17 @@ class BlockManager:
         self._lookups_counted: set[str] = set()
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # Full blocks evicted from the pool go to host memory, and come back from there (host_tier.py).
+        self.host_tier = host_tier if enable_prefix_caching else None
+        self.host_hits = 0  # prompt tokens loaded from the host tier instead of computed
 
     def reset_counters(self) -> None:
         """Zero the prefix cache's lookup counts (the cache's contents stay)."""
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.host_hits = 0
+        if self.host_tier is not None:
+            self.host_tier.counters = type(self.host_tier.counters)()
 
     # ---- sizes ---------------------------------------------------------------------------------
 
@@ -117,17 +141,38 @@ class BlockManager:
             block_ids.append(block_id)
         return block_ids, len(block_ids) * self.block_size
 
+    def lookup_prefix(self, request: Request) -> PrefixHit:
+        """`get_computed_blocks`, continued into the host tier: the blocks after the device's run
+        that host memory holds. Allocates nothing: pass the hit to `allocate_slots`."""
+        block_ids, num_tokens = self.get_computed_blocks(request)
+        if self.host_tier is None or not self._looks_up(request):
+            return PrefixHit(block_ids, [], num_tokens)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        host_blocks: list[int] = []
+        for block_hash in self._block_hashes(request, max_blocks)[len(block_ids) :]:
+            host_block = self.host_tier.lookup(block_hash)
+            if host_block is None:
+                break
+            host_blocks.append(host_block)
+        return PrefixHit(block_ids, host_blocks, num_tokens + len(host_blocks) * self.block_size)
+
+    def take_kv_transfers(self) -> KVTransfers:
+        """The block copies that this step's allocations made (empty without a host tier)."""
+        return KVTransfers() if self.host_tier is None else self.host_tier.take_transfers()
+
     def _looks_up(self, request: Request) -> bool:
         # Prompt log-probabilities need every prompt position computed.
         return self.enable_prefix_caching and request.sampling_params.prompt_logprobs is None
 
-    def count_lookup(self, request: Request, num_computed: int) -> None:
+    def count_lookup(self, request: Request, num_computed: int, from_host: int = 0) -> None:
         """Count an admitted request's prompt as prefix-cache queries and the `num_computed` tokens
-        it takes from the cache as hits, in tokens, once per request until it is freed."""
+        it takes from the cache as hits (`from_host` of them loaded from the host tier), in tokens,
+        once per request until it is freed."""
         if self._looks_up(request) and request.request_id not in self._lookups_counted:
             self._lookups_counted.add(request.request_id)
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_computed
+            self.host_hits += from_host
 
     def cache_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register the hashes of the request's blocks that computed tokens now fill completely."""
@@ -163,23 +208,29 @@ class BlockManager:
     # ---- allocation ----------------------------------------------------------------------------
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: list[int] | None = None,
+        host_blocks: list[int] | None = None,
     ) -> list[int] | None:
         """Make the request own enough blocks for its computed tokens plus num_new_tokens.
 
-        computed_blocks (from `get_computed_blocks`) are only accepted for a request that owns no
-        blocks yet; their tokens count as computed. Returns the block ids newly added to the
-        request (the computed ones first), or None when the pool is short, in which case nothing
-        changes.
+        computed_blocks and host_blocks (a `PrefixHit`'s) are only accepted for a request that owns
+        no blocks yet; their tokens count as computed. Each host block is loaded into a fresh
+        device block this step, which joins the prefix cache at once. Returns the block ids newly
+        added to the request (the computed and loaded ones first), or None when the pool is short,
+        in which case nothing changes.
         """
         request_id = request.request_id
         owned = self._req_blocks.get(request_id, [])
-        computed = list(computed_blocks or ())
-        if computed and owned:
+        computed, loaded = list(computed_blocks or ()), list(host_blocks or ())
+        if (computed or loaded) and owned:
             raise ValueError(
                 f"request {request_id!r} already owns blocks; computed_blocks are for a fresh one"
             )
-        num_tokens = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        num_hit = len(computed) + len(loaded)
+        num_tokens = request.num_computed_tokens + num_hit * self.block_size + num_new_tokens
         num_fresh = self.num_blocks_for(num_tokens) - len(owned) - len(computed)
         # A cached block that nobody owns sits in the free list: touching it uses up a free block.
         num_revived = sum(1 for b in computed if self._blocks[b].ref_count == 0)
@@ -187,13 +238,30 @@ class BlockManager:
             return None
         for block_id in computed:
             self._touch(block_id)
+        if loaded:  # before taking blocks, whose evictions offer blocks to the host tier
+            self.host_tier.reserve(loaded)
         fresh = self._take_free_blocks(max(num_fresh, 0))
+        if loaded:
+            self._load_from_host(request, len(computed), loaded, fresh[: len(loaded)])
         new_blocks = computed + fresh
         if request_id not in self._req_blocks:
             self._req_blocks[request_id] = []
-            self._req_num_cached_blocks[request_id] = len(computed)
+            self._req_num_cached_blocks[request_id] = num_hit
         self._req_blocks[request_id].extend(new_blocks)
         return new_blocks
+
+    def _load_from_host(
+        self, request: Request, first: int, host_blocks: list[int], targets: list[int]
+    ) -> None:
+        """Plan the loads of a request's host-tier blocks (its blocks first, first + 1, ...) into
+        `targets` and cache those under their hashes: the copies run before the step's forward."""
+        hashes = self._block_hashes(request, first + len(host_blocks))
+        for i, (host_block, block_id) in enumerate(zip(host_blocks, targets, strict=True)):
+            self.host_tier.load(host_block, block_id)
+            block_hash = hashes[first + i]
+            if block_hash not in self._hash_to_block:
+                self._blocks[block_id].block_hash = block_hash
+                self._hash_to_block[block_hash] = block_id
 
     def free(self, request: Request) -> None:
         """Drop the request's references; blocks nobody else owns go back to the free list.
@@ -234,6 +302,8 @@ class BlockManager:
             if block.block_hash is not None:
                 # A block carries a hash only while the cache maps that hash to it (cache_full_blocks).
                 del cached[block.block_hash]
+                if self.host_tier is not None:  # its KV is written to host before the step overwrites it
+                    self.host_tier.offer(block.block_hash, block_id)
                 block.block_hash = None
             block.ref_count = 1
             taken.append(block_id)

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 
 from tgserve.server.config.scheduler import SchedulerConfig
 from tgserve.server.core.block_manager import BlockManager
+from tgserve.server.core.host_tier import HostTier
 from tgserve.server.core.request import FinishReason, Request, RequestStatus
 from tgserve.server.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from tgserve.server.protocol.outputs import EngineStats
@@ -61,8 +62,9 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager | None = None) -> None:
         self.config = config
+        host_tier = HostTier(config.num_host_blocks) if config.num_host_blocks else None
         self.block_manager = block_manager or BlockManager(
-            config.num_blocks, config.block_size, config.enable_prefix_caching
+            config.num_blocks, config.block_size, config.enable_prefix_caching, host_tier
         )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is the newest
@@ -148,6 +150,7 @@ class Scheduler:
             num_preemptions=self._num_preemptions,
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,
+            **_host_tier_stats(bm),
             step_num_tokens=self._last_step_tokens,
             step_num_seqs=self._last_step_seqs,
         )
@@ -176,6 +179,7 @@ class Scheduler:
             finished_request_ids=finished,
             preempted_request_ids=plan.preempted,
             sampling_request_ids=frozenset(plan.sampling),
+            kv_transfers=self.block_manager.take_kv_transfers(),
         )
 
     def _schedule_running(self, plan: _StepPlan) -> None:
@@ -249,7 +253,7 @@ class Scheduler:
         request = self.waiting[0]
         if request.num_tokens < whole:
             return False  # not long enough whatever the cache holds: no lookup
-        _, num_cached = self.block_manager.get_computed_blocks(request)
+        num_cached = self.block_manager.lookup_prefix(request).num_tokens
         if not self._runs_whole(request, num_cached):
             return False
         # Its cached prefix is not used: sparse prefill attends over the step's own keys only.
@@ -278,16 +282,19 @@ class Scheduler:
                 break  # preempted with a token in flight: it resumes once the token is known
             # A waiting request (new or preempted) has nothing in its own blocks; look up the cache
             # each time it is tried, since blocks may have been cached or evicted since.
-            computed_blocks, num_cached = bm.get_computed_blocks(request)
-            if self._runs_whole(request, num_cached):
+            hit = bm.lookup_prefix(request)
+            if self._runs_whole(request, hit.num_tokens):
                 break  # it runs in a step of its own (FCFS: nobody overtakes it)
-            num_new = min(request.num_tokens - num_cached, plan.budget)
-            if bm.allocate_slots(request, num_new, computed_blocks) is None:
+            num_new = min(request.num_tokens - hit.num_tokens, plan.budget)
+            if bm.allocate_slots(request, num_new, hit.block_ids, hit.host_blocks) is None:
                 break  # FCFS: nobody overtakes the head of the queue
-            self._admit(plan, request, num_cached, num_new)
+            self._admit(plan, request, hit.num_tokens, num_new, len(hit.host_blocks) * bm.block_size)
 
-    def _admit(self, plan: _StepPlan, request: Request, num_cached: int, num_new: int) -> None:
-        """Move the head of the queue, whose blocks are allocated, to running with `num_new` tokens."""
+    def _admit(
+        self, plan: _StepPlan, request: Request, num_cached: int, num_new: int, from_host: int = 0
+    ) -> None:
+        """Move the head of the queue, whose blocks are allocated, to running with `num_new` tokens
+        (`num_cached` from the prefix cache, `from_host` of them loaded from the host tier)."""
         bm = self.block_manager
         self.waiting.popleft()
         self.running.append(request)
@@ -295,7 +302,7 @@ class Scheduler:
         request.num_computed_tokens = num_cached
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_cached
-        bm.count_lookup(request, num_cached)
+        bm.count_lookup(request, num_cached, from_host)
         plan.new.append(
             NewRequestData(
                 request_id=request.request_id,
@@ -359,3 +366,18 @@ class Scheduler:
         request.finish_reason = reason
         del self._requests[request.request_id]
         self._finished_ids.add(request.request_id)
+
+
+def _host_tier_stats(bm: BlockManager) -> dict[str, int]:
+    """EngineStats' host-tier fields, in blocks (the engine turns moved blocks into bytes)."""
+    tier = bm.host_tier
+    if tier is None:
+        return {}
+    return {
+        "host_num_total_blocks": tier.num_blocks,
+        "host_num_used_blocks": tier.num_used_blocks,
+        "host_prefix_hits": bm.host_hits,
+        "host_offloaded_blocks": tier.counters.offloaded_blocks,
+        "host_loaded_blocks": tier.counters.loaded_blocks,
+        "host_evicted_blocks": tier.counters.evicted_blocks,
+    }

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tgserve.server.core.host_tier import KVTransfers
+
 if TYPE_CHECKING:
     from tgserve.server.protocol.params import SamplingParams
 
@@ -43,6 +45,7 @@ class SchedulerOutput:
     num_computed_tokens. A request is sampled after the step when that reaches all its tokens.
     finished_request_ids: requests (finished, aborted or preempted) whose runner state can be dropped.
     sampling_request_ids: the requests that reach their last token this step and get a new one.
+    kv_transfers: block copies between the pool and the host tier, run before the step's forward.
     """
 
     scheduled_new_requests: list[NewRequestData] = field(default_factory=list)
@@ -52,6 +55,7 @@ class SchedulerOutput:
     finished_request_ids: set[str] = field(default_factory=set)
     preempted_request_ids: set[str] = field(default_factory=set)
     sampling_request_ids: frozenset[str] = frozenset()
+    kv_transfers: KVTransfers = field(default_factory=KVTransfers)
 
     @property
     def is_empty(self) -> bool:

@@ -66,6 +66,7 @@ class LLMEngine:
                 num_blocks=self.num_blocks,
                 enable_prefix_caching=args.enable_prefix_caching,
                 whole_prompt_tokens=self.shard.whole_prompt_tokens,
+                num_host_blocks=self.shard.num_host_blocks,
             )
         )
         self._last_step = (0, 0)
@@ -254,6 +255,7 @@ class LLMEngine:
                 **stats.__dict__,
                 "step_num_tokens": tokens,
                 "step_num_seqs": seqs,
+                "host_block_bytes": self.shard.host_block_bytes if self.shard.num_host_blocks else 0,
                 "step_durations": self.step_clock.snapshot(),
             }
         )

@@ -31,6 +31,7 @@ from tgserve.server.execution.memory import (
     profile_step,
 )
 from tgserve.server.execution.runner import ModelRunner
+from tgserve.server.kv_cache.host_pool import HostKVPool
 from tgserve.server.kv_cache.pool import num_blocks_for_memory
 from tgserve.server.kv_cache.spec import (
     kv_bytes_per_token,
@@ -100,6 +101,7 @@ class ModelShard:
                 f"--kv-cache-dtype {args.kv_cache_dtype}: the {self.backend.name} backend keeps its KV cache in the "
                 "model's dtype (an fp8 cache runs on cpu and cuda); use --kv-cache-dtype auto"
             )
+        self._check_host_tier(device)
         self.forward = ModelForward(model, self.backend, self.specs)
         static = device.type == "hpu" if args.static_shapes is None else args.static_shapes
         self.buckets = args.buckets if static else None
@@ -118,6 +120,7 @@ class ModelShard:
         # (None: not profiled, or it did not fit in memory).
         self.whole_prompt_profile: MemoryProfile | None = None
         self.num_blocks = 0  # until `allocate`
+        self.host_pool: HostKVPool | None = None  # the host tier's memory (--kv-offload-gb)
         self.whole_prompt_tokens = self._whole_prompt_tokens()
 
     def _whole_prompt_tokens(self) -> int | None:
@@ -263,10 +266,34 @@ class ModelShard:
         self.num_blocks = num_blocks
         pool = num_blocks + self.backend.scratch_blocks
         self.forward.allocate_pool(pool, self.args.block_size, self.device)
+        if self.num_host_blocks:
+            self.host_pool = HostKVPool(self.forward.block_tensors(), self.num_host_blocks, self.device)
         executor = self._choose_executor()
         if self.static_executor is not None and self.buckets.warmup:
             self.static_executor.warm_up(self.args.block_size, self.device)
-        self.runner = ModelRunner(self.forward, executor, self.args.block_size, self.device)
+        self.runner = ModelRunner(self.forward, executor, self.args.block_size, self.device, self.host_pool)
+
+    def _check_host_tier(self, device: torch.device) -> None:
+        gib = self.args.kv_offload_gb
+        if gib and device.type not in ("cpu", "cuda"):
+            raise ValueError(f"--kv-offload-gb: the host KV tier runs on cpu and cuda, not {device.type}")
+        if gib < 0 or (gib and not self.num_host_blocks):
+            raise ValueError(
+                f"--kv-offload-gb {gib}: the host tier must hold at least one block of this model "
+                f"({self.host_block_bytes / 2**20:.2f} MiB), or be 0 (off)"
+            )
+
+    @property
+    def host_block_bytes(self) -> int:
+        """Bytes of one KV block across every layer and shard: what the host tier holds a block in."""
+        per_shard = sum(spec.bytes_per_block(self.args.block_size) for spec in self.specs)
+        return per_shard * self.args.tensor_parallel_size
+
+    @property
+    def num_host_blocks(self) -> int:
+        """Blocks of the host tier: --kv-offload-gb over every shard's bytes of a block (each shard
+        keeps its share of a block, so the shards together hold that many GiB)."""
+        return max(0, int(self.args.kv_offload_gb * 2**30) // self.host_block_bytes)
 
     def _choose_executor(self) -> StepExecutor:
         """The one choice of how steps run: padded to static shapes or as they are, and on CUDA

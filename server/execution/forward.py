@@ -37,6 +37,13 @@ class ModelForward:
         self.kv_scales = allocate_kv_scales(self.specs, num_blocks, block_size, device)
         self.key_summaries = allocate_key_summaries(self.specs, num_blocks, device)
 
+    def block_tensors(self) -> list[torch.Tensor]:
+        """Every pool tensor indexed by block at dimension 1 ([2, num_blocks, ...]): what one block
+        of the pool is, layer by layer (its keys and values, scales, key summaries)."""
+        per_layer = zip(self.kv_caches, self.kv_scales or [None] * len(self.kv_caches),
+                        self.key_summaries or [None] * len(self.kv_caches), strict=True)  # fmt: skip
+        return [t for tensors in per_layer for t in tensors if t is not None]
+
     def release_pool(self) -> None:
         self.kv_caches, self.kv_scales, self.key_summaries = [], [], []
 

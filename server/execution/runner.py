@@ -27,6 +27,7 @@ from tgserve.server.execution.executor import StepExecutor
 from tgserve.server.execution.forward import ModelForward
 from tgserve.server.execution.step_inputs import PromptLogprobRows, StepInputs, padded_block_table
 from tgserve.server.execution.step_rows import HostRows, span_slots
+from tgserve.server.kv_cache.host_pool import HostKVPool
 from tgserve.server.protocol.outputs import TokenLogprob
 from tgserve.server.protocol.params import SamplingParams
 from tgserve.server.sampling.guided import GuidedMatchers
@@ -87,9 +88,15 @@ class ModelRunner:
     The step's forward runs through `executor`, the shard's choice (eager, graphs, static shapes)."""
 
     def __init__(
-        self, forward: ModelForward, executor: StepExecutor, block_size: int, device: torch.device
+        self,
+        forward: ModelForward,
+        executor: StepExecutor,
+        block_size: int,
+        device: torch.device,
+        host_pool: HostKVPool | None = None,
     ) -> None:
         self.forward = forward
+        self.host_pool = host_pool  # the host tier's memory: each step's block copies run through it
         self.executor = executor
         self.block_size = block_size
         self.device = device
@@ -107,6 +114,8 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
         """Queue one step on the device: inputs, forward, sampling, and the copies of its results."""
+        if scheduler_output.kv_transfers:  # before anything of this step writes the pool
+            self.host_pool.apply(scheduler_output.kv_transfers)
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
             return LaunchedStep([], output=RunnerOutput())

@@ -70,6 +70,16 @@ class EngineStats:
     num_preemptions: int
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # prompt tokens found there
+    # The host tier of the prefix cache (--kv-offload-gb; zeros when off): its blocks, the prompt
+    # tokens loaded from it, and blocks written to it, loaded from it and dropped from it, with
+    # the bytes those moved.
+    host_num_total_blocks: int = 0
+    host_num_used_blocks: int = 0
+    host_prefix_hits: int = 0
+    host_offloaded_blocks: int = 0
+    host_loaded_blocks: int = 0
+    host_evicted_blocks: int = 0
+    host_block_bytes: int = 0
     step_num_tokens: int = 0  # tokens computed in the last step
     step_num_seqs: int = 0  # requests in the last step
     step_durations: list[StepDurations] = field(default_factory=list)  # by kind (step_timing.StepClock)

@@ -1,0 +1,108 @@
+"""The host tier of the prefix cache: which full KV blocks host memory holds, by block hash.
+
+Plain bookkeeping, as `block_manager` is; the bytes live in `kv_cache/host_pool.py`. A full block
+evicted from the device's prefix cache is offered here: it takes a free host block, or the least
+recently used one, and is written there before anything overwrites its device block (the step's
+transfers run before its forward). A later request whose prefix continues into blocks held here
+has them loaded into fresh device blocks instead of recomputed. The tier only ever holds copies:
+a request never owns a host block, so a full tier evicts and never fails anything.
+
+A step's transfers are collected here and handed to the runner with the step
+(`take_transfers`): first every offload (device -> host), then every load (host -> device), then
+the forward. A host block read by one of the step's loads is not given to an offload of the same
+step (it would be overwritten before it is read).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+BlockHash = int
+
+
+@dataclass(frozen=True)
+class KVTransfers:
+    """One step's block copies, in the order they run: offloads, then loads, then the forward."""
+
+    offloads: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    loads: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+
+    def __bool__(self) -> bool:
+        return bool(self.offloads or self.loads)
+
+
+@dataclass
+class HostTierCounters:
+    """Since start (or the last reset): blocks written to host, loaded back, and dropped from it."""
+
+    offloaded_blocks: int = 0
+    loaded_blocks: int = 0
+    evicted_blocks: int = 0
+
+
+class HostTier:
+    """`num_blocks` host blocks holding evicted prefix blocks, least recently used first out."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"the host tier needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))  # popped from the end: block 0 first
+        self._by_hash: OrderedDict[BlockHash, int] = OrderedDict()  # least recently used first
+        self._hash_of: dict[int, BlockHash] = {}
+        # This step's copies: offloads keyed by host block (a block given twice in one step keeps
+        # only its last content), loads in order.
+        self._offloads: dict[int, int] = {}
+        self._loads: list[tuple[int, int]] = []
+        self._reading: set[int] = set()  # host blocks this step's loads read
+        self.counters = HostTierCounters()
+
+    @property
+    def num_used_blocks(self) -> int:
+        return len(self._by_hash)
+
+    def lookup(self, block_hash: BlockHash) -> int | None:
+        """The host block holding `block_hash`, or None."""
+        return self._by_hash.get(block_hash)
+
+    def offer(self, block_hash: BlockHash, device_block: int) -> None:
+        """A full device block is being evicted: keep a copy of it (or refresh the one kept)."""
+        if block_hash in self._by_hash:
+            self._by_hash.move_to_end(block_hash)
+            return
+        host_block = self._take_block()
+        if host_block is None:
+            return  # every host block is being read this step: this one is simply not kept
+        self._by_hash[block_hash] = host_block
+        self._hash_of[host_block] = block_hash
+        self._offloads[host_block] = device_block
+        self.counters.offloaded_blocks += 1
+
+    def load(self, host_block: int, device_block: int) -> None:
+        """Copy `host_block` into the fresh `device_block` this step (before the forward reads it)."""
+        self._by_hash.move_to_end(self._hash_of[host_block])
+        self._reading.add(host_block)
+        self._loads.append((host_block, device_block))
+        self.counters.loaded_blocks += 1
+
+    def reserve(self, host_blocks: list[int]) -> None:
+        """Keep these host blocks from this step's offloads: loads of them are about to be planned."""
+        self._reading.update(host_blocks)
+
+    def take_transfers(self) -> KVTransfers:
+        """The step's copies, handed to the runner with the step; the next step starts empty."""
+        transfers = KVTransfers([(d, h) for h, d in self._offloads.items()], self._loads)
+        self._offloads, self._loads, self._reading = {}, [], set()
+        return transfers
+
+    def _take_block(self) -> int | None:
+        if self._free:
+            return self._free.pop()
+        for block_hash, host_block in self._by_hash.items():  # least recently used first
+            if host_block not in self._reading:
+                del self._by_hash[block_hash]
+                del self._hash_of[host_block]
+                self.counters.evicted_blocks += 1
+                return host_block
+        return None

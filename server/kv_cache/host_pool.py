@@ -1,0 +1,111 @@
+"""Host memory for the host tier of the prefix cache (`core/host_tier.py` decides what goes where).
+
+One row of bytes a block: the block's slice of every block-indexed tensor of the pool (each layer's
+keys and values, an fp8 cache's scales, selective decode's key summaries), so that a block moves
+between the device and host as one contiguous copy of ~1-2 MB at Llama-3-8B's shape, not as a
+copy per layer. On CUDA the rows are pinned: offloads are gathered on the compute stream (behind
+every step already queued there, so they copy what those steps wrote) and copied to host on a
+side stream while the step computes; loads wait for that stream, copy to the device and scatter
+into the pool ahead of the forward. The CPU backend runs the same code with plain copies, a second
+CPU pool standing in for host memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from tgserve.server.core.host_tier import KVTransfers
+from tgserve.server.device.transfer import to_device
+
+logger = logging.getLogger(__name__)
+
+
+def _block_bytes_views(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each pool tensor [2, num_blocks, ...] as uint8 [2, num_blocks, bytes of one side of a block]."""
+    views = []
+    for tensor in tensors:
+        assert tensor.is_contiguous() and tensor.shape[0] == 2
+        views.append(tensor.view(torch.uint8).reshape(2, tensor.shape[1], -1))
+    return views
+
+
+def block_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of one block across `tensors` (the pool's block-indexed tensors)."""
+    return sum(2 * view.shape[2] for view in _block_bytes_views(tensors))
+
+
+class HostKVPool:
+    """`num_blocks` host rows, each one block of the device pool's `tensors` (all of its layers)."""
+
+    def __init__(self, tensors: list[torch.Tensor], num_blocks: int, device: torch.device) -> None:
+        self.views = _block_bytes_views(tensors)
+        self.block_bytes = block_bytes(tensors)
+        self.device = device
+        self.cuda = device.type == "cuda"
+        start = time.perf_counter()
+        self.rows = torch.empty(num_blocks, self.block_bytes, dtype=torch.uint8, pin_memory=self.cuda)
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        logger.info(
+            "host KV tier: %d blocks of %.2f MiB (%.1f GiB%s) in %.1f s",
+            num_blocks,
+            self.block_bytes / 2**20,
+            num_blocks * self.block_bytes / 2**30,
+            ", pinned" if self.cuda else "",
+            time.perf_counter() - start,
+        )
+
+    @property
+    def num_blocks(self) -> int:
+        return self.rows.shape[0]
+
+    def apply(self, transfers: KVTransfers) -> None:
+        """Run a step's copies: offloads first (their device blocks may be load targets), then loads."""
+        if transfers.offloads:
+            self._offload(*zip(*transfers.offloads, strict=True))
+        if transfers.loads:
+            self._load(*zip(*transfers.loads, strict=True))
+
+    def _offload(self, device_blocks: tuple[int, ...], host_blocks: tuple[int, ...]) -> None:
+        staging = self._gather(to_device(device_blocks, torch.int64, self.device))
+        if not self.cuda:
+            self.rows.index_copy_(0, torch.tensor(host_blocks), staging)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the gather, and what it read
+        with torch.cuda.stream(self.stream):
+            for i, row in enumerate(host_blocks):
+                self.rows[row].copy_(staging[i], non_blocking=True)
+        staging.record_stream(self.stream)  # not reused before the copies are done
+
+    def _load(self, host_blocks: tuple[int, ...], device_blocks: tuple[int, ...]) -> None:
+        if self.cuda:
+            # Offloads still copying may be writing the rows read here (from earlier steps).
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            staging = torch.empty(len(host_blocks), self.block_bytes, dtype=torch.uint8, device=self.device)
+            for i, row in enumerate(host_blocks):
+                staging[i].copy_(self.rows[row], non_blocking=True)
+        else:
+            staging = self.rows.index_select(0, torch.tensor(host_blocks))
+        self._scatter(staging, to_device(device_blocks, torch.int64, self.device))
+
+    def _gather(self, ids: torch.Tensor) -> torch.Tensor:
+        """uint8 [len(ids), block_bytes]: the blocks `ids` of every pool tensor, one row a block."""
+        staging = torch.empty(ids.shape[0], self.block_bytes, dtype=torch.uint8, device=self.device)
+        offset = 0
+        for view in self.views:
+            width = 2 * view.shape[2]
+            part = staging[:, offset : offset + width].view(-1, 2, view.shape[2])
+            part.copy_(view.index_select(1, ids).transpose(0, 1))
+            offset += width
+        return staging
+
+    def _scatter(self, staging: torch.Tensor, ids: torch.Tensor) -> None:
+        """Write each row of `staging` back as block ids[i] of every pool tensor."""
+        offset = 0
+        for view in self.views:
+            width = 2 * view.shape[2]
+            part = staging[:, offset : offset + width].view(-1, 2, view.shape[2])
+            view.index_copy_(1, ids, part.transpose(0, 1))
+            offset += width

@@ -1,0 +1,134 @@
+"""The host tier of the prefix cache (--kv-offload-gb): full blocks evicted from the KV pool are kept
+in a second (host) pool and loaded back on a prefix hit, giving the tokens recomputation gives; a
+full host tier evicts and never fails a request; aborts leak no block."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tgserve import LLM, SamplingParams
+from tgserve.server.core.block_manager import BlockManager
+from tgserve.server.core.host_tier import HostTier, KVTransfers
+from tgserve.server.core.request import Request
+from tgserve.server.kv_cache.host_pool import HostKVPool
+from tgserve.server.testing.fixtures import fixture_path
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+POOL = dict(max_num_batched_tokens=64, block_size=8, num_blocks=24)  # 192 tokens of KV
+HOST_GIB = 32 * 4096 / 2**30  # 32 blocks of the fixture's 4 KiB: room for all that the prompts evict
+
+
+def _request(request_id: str, tokens: list[int]) -> Request:
+    return Request(request_id, list(tokens), SamplingParams(max_new_tokens=4))
+
+
+def test_host_tier_keeps_the_most_recent_blocks_and_spares_those_being_read():
+    tier = HostTier(2)
+    tier.offer(101, device_block=5)
+    tier.offer(102, device_block=6)
+    assert tier.take_transfers() == KVTransfers(offloads=[(5, 0), (6, 1)])
+    tier.reserve([tier.lookup(101)])  # a load of 101 is planned this step: 102 goes instead
+    tier.offer(103, device_block=7)
+    assert tier.lookup(102) is None and tier.lookup(101) == 0 and tier.lookup(103) == 1
+    assert tier.counters.evicted_blocks == 1
+    tier.take_transfers()
+    tier.offer(101, device_block=9)  # held already: refreshed, not copied again
+    assert not tier.take_transfers()
+    tier.offer(104, device_block=8)  # 103 is now the least recently used
+    assert tier.lookup(103) is None and tier.lookup(104) == 1
+
+
+def test_an_evicted_prefix_comes_back_from_host_blocks():
+    bm = BlockManager(num_blocks=4, block_size=2, host_tier=HostTier(8))
+    first = _request("a", [1, 2, 3, 4, 5])
+    bm.allocate_slots(first, 5)
+    bm.cache_full_blocks(first, 5)
+    bm.free(first)
+    bm.allocate_slots(_request("b", [9] * 8), 8)  # takes every block: a's two full blocks go to host
+    assert len(bm.take_kv_transfers().offloads) == 2
+    bm.free(_request("b", [9] * 8))
+    again = _request("c", [1, 2, 3, 4, 7])
+    hit = bm.lookup_prefix(again)
+    assert hit.block_ids == [] and len(hit.host_blocks) == 2 and hit.num_tokens == 4
+    new = bm.allocate_slots(again, 1, hit.block_ids, hit.host_blocks)
+    loads = bm.take_kv_transfers().loads
+    assert [device for _, device in loads] == new[:2]
+    assert bm.get_computed_blocks(_request("d", [1, 2, 3, 4, 8]))[1] == 4  # cached on the device again
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
+def test_host_pool_round_trips_every_block_tensor(dtype):
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.randn(2, 6, 4, 2, 8, generator=gen).to(dtype)
+    scales = torch.rand(2, 6, 2, 4, generator=gen)
+    pool = HostKVPool([cache, scales], num_blocks=3, device=torch.device("cpu"))
+    assert pool.block_bytes == 2 * (4 * 2 * 8 * cache.element_size() + 2 * 4 * 4)
+    before = cache.view(torch.uint8).clone(), scales.clone()
+    pool.apply(KVTransfers(offloads=[(1, 2), (4, 0)]))
+    pool.apply(KVTransfers(loads=[(2, 5), (0, 3)]))
+    assert torch.equal(cache.view(torch.uint8)[:, 5], before[0][:, 1])
+    assert torch.equal(cache.view(torch.uint8)[:, 3], before[0][:, 4])
+    assert torch.equal(scales[:, 5], before[1][:, 1]) and torch.equal(scales[:, 0], before[1][:, 0])
+
+
+def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:
+    """A 64-token prefix asked twice, with two 150-token prompts between that evict it from the pool."""
+    rng = random.Random(seed)
+    words = lambda n: [rng.randrange(5, vocab) for _ in range(n)]  # noqa: E731
+    shared = words(64)
+    return [shared + words(10), words(150), words(150), shared + words(12)]
+
+
+@pytest.fixture(scope="module")
+def recomputed() -> tuple[list[list[int]], list[list[int]]]:
+    llm = LLM(str(fixture_path("llama")), **POOL)
+    prompts = _prompts(llm.engine.vocab_size)
+    return prompts, [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_host_hits_give_the_tokens_of_recomputation(recomputed, kv_cache_dtype):
+    prompts, want = recomputed
+    llm = LLM(str(fixture_path("llama")), kv_offload_gb=HOST_GIB, kv_cache_dtype=kv_cache_dtype, **POOL)
+    got = [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
+    stats = llm.engine.stats()
+    assert stats.host_prefix_hits == 64 and stats.host_loaded_blocks == 8  # the whole shared prefix
+    if kv_cache_dtype == "auto":  # fp8 rounds the KV: the same tokens are likely, not promised
+        assert got == want
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_a_full_host_tier_evicts_and_fails_nothing(recomputed):
+    prompts, want = recomputed
+    llm = LLM(str(fixture_path("llama")), kv_offload_gb=4 * 4096 / 2**30, **POOL)  # 4 blocks of 4 KiB
+    assert llm.engine.stats().host_num_total_blocks == 4
+    got = [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
+    stats = llm.engine.stats()
+    assert got == want and stats.host_evicted_blocks > 0 and stats.host_num_used_blocks == 4
+
+
+def test_aborting_requests_with_transfers_in_their_step_leaks_no_block(recomputed):
+    prompts, _ = recomputed
+    llm = LLM(str(fixture_path("llama")), kv_offload_gb=HOST_GIB, **POOL)
+    for p in prompts[:3]:
+        llm.generate([p], GREEDY)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_new_tokens=30, ignore_eos=True)
+    engine.add_request("again", prompts[3], params)
+    engine.add_request("other", prompts[1], params)
+    engine.step()  # loads the shared prefix from host, offloads what the other prompt evicts
+    assert engine.stats().host_loaded_blocks == 8
+    engine.abort_requests(["again", "other"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    stats = engine.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+    assert stats.host_num_used_blocks <= stats.host_num_total_blocks
+
+
+def test_a_host_tier_smaller_than_a_block_is_refused():
+    with pytest.raises(ValueError, match="kv-offload-gb .*at least one block"):
+        LLM(str(fixture_path("llama")), kv_offload_gb=1e-9, **POOL)
