@@ -127,6 +127,11 @@ def _host_tier_metrics(stats: EngineStats) -> Iterator[Metric]:
         "KV blocks dropped from the full host tier",
         stats.host_evicted_blocks,
     )
+    yield _counter(
+        "tgserve_kv_host_swapped_out_requests",
+        "Preempted requests whose KV went to the host tier instead of being recomputed",
+        stats.host_swapped_out_requests,
+    )
 
 
 def _step_metrics(durations: list[StepDurations]) -> Iterator[Metric]:

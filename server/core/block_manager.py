@@ -81,6 +81,7 @@ class BlockManager:
         # Full blocks evicted from the pool go to host memory, and come back from there (host_tier.py).
         self.host_tier = host_tier if enable_prefix_caching else None
         self.host_hits = 0  # prompt tokens loaded from the host tier instead of computed
+        self._swapped: dict[str, list[int]] = {}  # request id -> the host blocks holding its KV
 
     def reset_counters(self) -> None:
         """Zero the prefix cache's lookup counts (the cache's contents stay)."""
@@ -263,13 +264,49 @@ class BlockManager:
                 self._blocks[block_id].block_hash = block_hash
                 self._hash_to_block[block_hash] = block_id
 
+    # ---- swapping to the host tier -----------------------------------------------------------
+
+    def swap_out(self, request: Request) -> bool:
+        """Preemption without recomputation: copy the request's blocks to host blocks held for it
+        (this step, before anything overwrites them) and free them here. False, changing nothing,
+        without a host tier that can hold them all."""
+        blocks = self._req_blocks.get(request.request_id, [])
+        held = None if self.host_tier is None or not blocks else self.host_tier.hold(blocks)
+        if held is None:
+            return False
+        self.free(request)
+        self._swapped[request.request_id] = held
+        return True
+
+    def is_swapped(self, request: Request) -> bool:
+        return request.request_id in self._swapped
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> list[int] | None:
+        """Blocks for a swapped-out request's computed tokens, loaded from its host blocks this
+        step, plus room for `num_new_tokens`; None, changing nothing, when the pool is short."""
+        held = self._swapped[request.request_id]
+        num_blocks = self.num_blocks_for(request.num_computed_tokens + num_new_tokens)
+        if max(num_blocks, len(held)) > self.num_free_blocks:
+            return None
+        self.host_tier.reserve(held)  # before taking blocks, whose evictions offer to the tier
+        blocks = self._take_free_blocks(max(num_blocks, len(held)))
+        self.host_tier.load_held(held, blocks[: len(held)])
+        del self._swapped[request.request_id]
+        self._req_blocks[request.request_id] = blocks
+        self._req_num_cached_blocks[request.request_id] = 0  # their hashes are registered as they fill
+        self._lookups_counted.add(request.request_id)  # counted when it was first admitted
+        return blocks
+
     def free(self, request: Request) -> None:
         """Drop the request's references; blocks nobody else owns go back to the free list.
 
         Blocks are released tail first, so the end of a prefix (the part least likely to be shared)
-        is evicted before its beginning. Safe to call for a request that owns nothing.
+        is evicted before its beginning. Safe to call for a request that owns nothing. A swapped-out
+        request's host blocks are given back.
         """
         request_id = request.request_id
+        if request_id in self._swapped:
+            self.host_tier.release(self._swapped.pop(request_id))
         # Lookups bound once: a 128K-token prompt frees 8,192 blocks on its way to its only token.
         blocks, free_list = self._blocks, self._free
         to_front = free_list.move_to_end

@@ -11,6 +11,10 @@ A step's transfers are collected here and handed to the runner with the step
 (`take_transfers`): first every offload (device -> host), then every load (host -> device), then
 the forward. A host block read by one of the step's loads is not given to an offload of the same
 step (it would be overwritten before it is read).
+
+A preempted request can also be swapped out here instead of recomputed later: its blocks are
+held for it (`hold`: out of the cache, never evicted) until it is swapped back in or ends, and
+given back at the end of that step (`release`), once its loads have read them.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class HostTierCounters:
     offloaded_blocks: int = 0
     loaded_blocks: int = 0
     evicted_blocks: int = 0
+    swapped_out_requests: int = 0
 
 
 class HostTier:
@@ -56,11 +61,14 @@ class HostTier:
         self._offloads: dict[int, int] = {}
         self._loads: list[tuple[int, int]] = []
         self._reading: set[int] = set()  # host blocks this step's loads read
+        self._released: list[int] = []  # held blocks given back at the end of the step
+        self.num_held_blocks = 0
         self.counters = HostTierCounters()
 
     @property
     def num_used_blocks(self) -> int:
-        return len(self._by_hash)
+        """Blocks holding cached prefixes or swapped-out requests."""
+        return len(self._by_hash) + self.num_held_blocks
 
     def lookup(self, block_hash: BlockHash) -> int | None:
         """The host block holding `block_hash`, or None."""
@@ -90,10 +98,38 @@ class HostTier:
         """Keep these host blocks from this step's offloads: loads of them are about to be planned."""
         self._reading.update(host_blocks)
 
+    def hold(self, device_blocks: list[int]) -> list[int] | None:
+        """Copy a preempted request's blocks to host blocks held for it (evicting cached ones as
+        needed), or None, changing nothing, when the tier cannot give that many."""
+        available = len(self._free) + sum(1 for b in self._by_hash.values() if b not in self._reading)
+        if len(device_blocks) > available:
+            return None
+        held = [self._take_block() for _ in device_blocks]
+        for host_block, device_block in zip(held, device_blocks, strict=True):
+            self._offloads[host_block] = device_block
+        self.num_held_blocks += len(held)
+        self.counters.offloaded_blocks += len(held)
+        self.counters.swapped_out_requests += 1
+        return held
+
+    def load_held(self, host_blocks: list[int], device_blocks: list[int]) -> None:
+        """Copy held blocks back into fresh device blocks this step, then give them back."""
+        self._reading.update(host_blocks)
+        self._loads.extend(zip(host_blocks, device_blocks, strict=True))
+        self.counters.loaded_blocks += len(host_blocks)
+        self.release(host_blocks)
+
+    def release(self, host_blocks: list[int]) -> None:
+        """Held blocks no longer needed (swapped in, or their request ended): free after this step."""
+        self._released.extend(host_blocks)
+        self.num_held_blocks -= len(host_blocks)
+
     def take_transfers(self) -> KVTransfers:
         """The step's copies, handed to the runner with the step; the next step starts empty."""
         transfers = KVTransfers([(d, h) for h, d in self._offloads.items()], self._loads)
         self._offloads, self._loads, self._reading = {}, [], set()
+        self._free.extend(self._released)
+        self._released = []
         return transfers
 
     def _take_block(self) -> int | None:

@@ -32,7 +32,8 @@ class Request:
     """A prompt and its growing output.
 
     The one scheduling rule: `num_computed_tokens` (tokens whose KV is in the cache) catches up with
-    `num_tokens` (prompt plus output). Preemption resets it to 0 and the tokens are recomputed.
+    `num_tokens` (prompt plus output). Preemption resets it to 0 and the tokens are recomputed,
+    unless the KV was swapped out to the host tier (it comes back on resuming).
     """
 
     def __init__(

@@ -234,9 +234,11 @@ class Scheduler:
                 return None
 
     def _preempt(self, request: Request) -> None:
-        """Free the request's blocks and requeue it at the front; its tokens are recomputed later."""
-        self.block_manager.free(request)
-        request.num_computed_tokens = 0
+        """Free the request's blocks and requeue it at the front: swapped out to the host tier where
+        it has room (its KV comes back when it resumes), else its tokens are recomputed later."""
+        if not self.block_manager.swap_out(request):
+            self.block_manager.free(request)
+            request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self._num_preemptions += 1
@@ -251,8 +253,8 @@ class Scheduler:
         if whole is None or not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return False
         request = self.waiting[0]
-        if request.num_tokens < whole:
-            return False  # not long enough whatever the cache holds: no lookup
+        if request.num_tokens < whole or self.block_manager.is_swapped(request):
+            return False  # not long enough whatever the cache holds (no lookup), or swapped out
         num_cached = self.block_manager.lookup_prefix(request).num_tokens
         if not self._runs_whole(request, num_cached):
             return False
@@ -280,6 +282,12 @@ class Scheduler:
             request = self.waiting[0]
             if request.num_output_placeholders:
                 break  # preempted with a token in flight: it resumes once the token is known
+            if bm.is_swapped(request):  # its KV comes back from the host tier
+                num_new = min(request.num_tokens - request.num_computed_tokens, plan.budget)
+                if bm.swap_in(request, num_new) is None:
+                    break
+                self._admit(plan, request, request.num_computed_tokens, num_new)
+                continue
             # A waiting request (new or preempted) has nothing in its own blocks; look up the cache
             # each time it is tried, since blocks may have been cached or evicted since.
             hit = bm.lookup_prefix(request)
@@ -380,4 +388,5 @@ def _host_tier_stats(bm: BlockManager) -> dict[str, int]:
         "host_offloaded_blocks": tier.counters.offloaded_blocks,
         "host_loaded_blocks": tier.counters.loaded_blocks,
         "host_evicted_blocks": tier.counters.evicted_blocks,
+        "host_swapped_out_requests": tier.counters.swapped_out_requests,
     }

@@ -132,3 +132,23 @@ def test_aborting_requests_with_transfers_in_their_step_leaks_no_block(recompute
 def test_a_host_tier_smaller_than_a_block_is_refused():
     with pytest.raises(ValueError, match="kv-offload-gb .*at least one block"):
         LLM(str(fixture_path("llama")), kv_offload_gb=1e-9, **POOL)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_live_kv_three_times_the_pool_completes_by_swapping(async_scheduling):
+    """Six requests of 100 tokens each against a 192-token pool: preempted ones are swapped to the
+    host tier and back (with async scheduling, some with a token in flight), and every request gets
+    the tokens a pool that holds them all gives."""
+    rng = random.Random(4)
+    params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+    model = str(fixture_path("llama"))
+    large = LLM(model, **{**POOL, "num_blocks": 128})
+    prompts = [[rng.randrange(5, large.engine.vocab_size) for _ in range(60)] for _ in range(6)]
+    want = [out.token_ids for out in large.generate(prompts, params)]
+    llm = LLM(model, kv_offload_gb=HOST_GIB * 4, async_scheduling=async_scheduling, **POOL)
+    got = [out.token_ids for out in llm.generate(prompts, params)]
+    stats = llm.engine.stats()
+    assert got == want
+    assert stats.host_swapped_out_requests > 0 and stats.num_preemptions == stats.host_swapped_out_requests
+    assert stats.num_free_blocks == stats.num_total_blocks
+    assert llm.engine.scheduler.block_manager.host_tier.num_held_blocks == 0
