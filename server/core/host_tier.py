@@ -47,13 +47,18 @@ class HostTierCounters:
 
 
 class HostTier:
-    """`num_blocks` host blocks holding evicted prefix blocks, least recently used first out."""
+    """Up to `num_blocks` host blocks holding evicted prefix blocks, least recently used first out.
 
-    def __init__(self, num_blocks: int) -> None:
+    Only the first `ready` blocks are used: host memory may still be being allocated (pinning tens
+    of GiB takes seconds), and `grow` adds blocks as it becomes ready.
+    """
+
+    def __init__(self, num_blocks: int, ready: int | None = None) -> None:
         if num_blocks <= 0:
             raise ValueError(f"the host tier needs at least one block, got {num_blocks}")
-        self.num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))  # popped from the end: block 0 first
+        self.capacity = num_blocks
+        self.num_blocks = 0  # usable so far
+        self._free: list[int] = []  # popped from the end: the lowest block first
         self._by_hash: OrderedDict[BlockHash, int] = OrderedDict()  # least recently used first
         self._hash_of: dict[int, BlockHash] = {}
         # This step's copies: offloads keyed by host block (a block given twice in one step keeps
@@ -64,6 +69,14 @@ class HostTier:
         self._released: list[int] = []  # held blocks given back at the end of the step
         self.num_held_blocks = 0
         self.counters = HostTierCounters()
+        self.grow(num_blocks if ready is None else ready)
+
+    def grow(self, ready: int) -> None:
+        """Host blocks up to `ready` (at most the capacity) are allocated: use them."""
+        ready = min(ready, self.capacity)
+        if ready > self.num_blocks:
+            self._free = list(range(ready - 1, self.num_blocks - 1, -1)) + self._free
+            self.num_blocks = ready
 
     @property
     def num_used_blocks(self) -> int:

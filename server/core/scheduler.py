@@ -62,7 +62,8 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager | None = None) -> None:
         self.config = config
-        host_tier = HostTier(config.num_host_blocks) if config.num_host_blocks else None
+        # Its host memory may still be being allocated: the engine adds blocks as they are ready.
+        host_tier = HostTier(config.num_host_blocks, ready=0) if config.num_host_blocks else None
         self.block_manager = block_manager or BlockManager(
             config.num_blocks, config.block_size, config.enable_prefix_caching, host_tier
         )
@@ -132,6 +133,11 @@ class Scheduler:
     def num_preemptions(self) -> int:
         """Preemptions since start."""
         return self._num_preemptions
+
+    def grow_host_tier(self, ready_blocks: int) -> None:
+        """The host tier's memory now has `ready_blocks` blocks allocated (`HostKVPool.ready_blocks`)."""
+        if self.block_manager.host_tier is not None:
+            self.block_manager.host_tier.grow(ready_blocks)
 
     def reset_counters(self) -> None:
         """Zero the counters since start (preemptions, prefix cache lookups): after the engine's own

@@ -69,6 +69,7 @@ class LLMEngine:
                 num_host_blocks=self.shard.num_host_blocks,
             )
         )
+        self._grow_host_tier()
         self._last_step = (0, 0)
         self.step_clock = StepClock()  # step durations since start (or the last reset_counters)
         self.async_scheduling = (
@@ -186,6 +187,7 @@ class LLMEngine:
         and queued on the device before they were read, so the device never waits for the host.
         """
         started = time.monotonic()
+        self._grow_host_tier()
         scheduler_output = self.scheduler.schedule()
         self.tp.broadcast_object(scheduler_output)  # to the other shards, if any
         launched = (scheduler_output, self.runner.launch(scheduler_output), started)
@@ -194,6 +196,12 @@ class LLMEngine:
         previous = self._in_flight
         self._in_flight = None if scheduler_output.is_empty else launched
         return self._apply(*previous) if previous is not None else []
+
+    def _grow_host_tier(self) -> None:
+        """Host memory allocated since the last step (`HostKVPool` allocates it in the background
+        on CUDA) joins the host tier."""
+        if self.shard.host_pool is not None:
+            self.scheduler.grow_host_tier(self.shard.host_pool.ready_blocks)
 
     def _apply(
         self, scheduler_output: SchedulerOutput, launched: LaunchedStep, started: float

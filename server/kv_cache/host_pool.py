@@ -8,11 +8,17 @@ every step already queued there, so they copy what those steps wrote) and copied
 side stream while the step computes; loads wait for that stream, copy to the device and scatter
 into the pool ahead of the forward. The CPU backend runs the same code with plain copies, a second
 CPU pool standing in for host memory.
+
+Pinning tens of GiB takes seconds, so on CUDA the rows are allocated in chunks of about 1 GiB by a
+background thread while the engine starts and serves: `ready_blocks` says how many exist, the host
+tier uses only those (`HostTier.grow`), and a copy that reaches past them (a shard whose allocation
+lags rank 0's) waits for its chunk.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import torch
@@ -21,6 +27,8 @@ from tgserve.server.core.host_tier import KVTransfers
 from tgserve.server.device.transfer import to_device
 
 logger = logging.getLogger(__name__)
+
+CHUNK_BYTES = 1 << 30  # host memory allocated (and pinned) at a time
 
 
 def _block_bytes_views(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -45,21 +53,43 @@ class HostKVPool:
         self.block_bytes = block_bytes(tensors)
         self.device = device
         self.cuda = device.type == "cuda"
-        start = time.perf_counter()
-        self.rows = torch.empty(num_blocks, self.block_bytes, dtype=torch.uint8, pin_memory=self.cuda)
+        self.num_blocks = num_blocks
+        self.chunk_blocks = max(1, CHUNK_BYTES // self.block_bytes)
+        self._chunks: list[torch.Tensor] = []
+        self._ready = threading.Condition()
+        self.ready_blocks = 0
         self.stream = torch.cuda.Stream(device) if self.cuda else None
+        if self.cuda:
+            threading.Thread(target=self._allocate, name="host-kv-pool", daemon=True).start()
+        else:
+            self._allocate()
+
+    def _allocate(self) -> None:
+        start = time.perf_counter()
+        for first in range(0, self.num_blocks, self.chunk_blocks):
+            count = min(self.chunk_blocks, self.num_blocks - first)
+            chunk = torch.empty(count, self.block_bytes, dtype=torch.uint8, pin_memory=self.cuda)
+            with self._ready:
+                self._chunks.append(chunk)
+                self.ready_blocks = first + count
+                self._ready.notify_all()
         logger.info(
             "host KV tier: %d blocks of %.2f MiB (%.1f GiB%s) in %.1f s",
-            num_blocks,
+            self.num_blocks,
             self.block_bytes / 2**20,
-            num_blocks * self.block_bytes / 2**30,
+            self.num_blocks * self.block_bytes / 2**30,
             ", pinned" if self.cuda else "",
             time.perf_counter() - start,
         )
 
-    @property
-    def num_blocks(self) -> int:
-        return self.rows.shape[0]
+    def _row(self, block: int) -> torch.Tensor:
+        return self._chunks[block // self.chunk_blocks][block % self.chunk_blocks]
+
+    def _wait_for(self, blocks: tuple[int, ...]) -> None:
+        """Until the chunks holding `blocks` are allocated."""
+        needed = max(blocks) + 1
+        with self._ready:
+            self._ready.wait_for(lambda: self.ready_blocks >= needed)
 
     def apply(self, transfers: KVTransfers) -> None:
         """Run a step's copies: offloads first (their device blocks may be load targets), then loads."""
@@ -69,25 +99,28 @@ class HostKVPool:
             self._load(*zip(*transfers.loads, strict=True))
 
     def _offload(self, device_blocks: tuple[int, ...], host_blocks: tuple[int, ...]) -> None:
+        self._wait_for(host_blocks)
         staging = self._gather(to_device(device_blocks, torch.int64, self.device))
         if not self.cuda:
-            self.rows.index_copy_(0, torch.tensor(host_blocks), staging)
+            for i, row in enumerate(host_blocks):
+                self._row(row).copy_(staging[i])
             return
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the gather, and what it read
         with torch.cuda.stream(self.stream):
             for i, row in enumerate(host_blocks):
-                self.rows[row].copy_(staging[i], non_blocking=True)
+                self._row(row).copy_(staging[i], non_blocking=True)
         staging.record_stream(self.stream)  # not reused before the copies are done
 
     def _load(self, host_blocks: tuple[int, ...], device_blocks: tuple[int, ...]) -> None:
+        self._wait_for(host_blocks)
         if self.cuda:
             # Offloads still copying may be writing the rows read here (from earlier steps).
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
             staging = torch.empty(len(host_blocks), self.block_bytes, dtype=torch.uint8, device=self.device)
             for i, row in enumerate(host_blocks):
-                staging[i].copy_(self.rows[row], non_blocking=True)
+                staging[i].copy_(self._row(row), non_blocking=True)
         else:
-            staging = self.rows.index_select(0, torch.tensor(host_blocks))
+            staging = torch.stack([self._row(row) for row in host_blocks])
         self._scatter(staging, to_device(device_blocks, torch.int64, self.device))
 
     def _gather(self, ids: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,19 @@ def test_host_tier_keeps_the_most_recent_blocks_and_spares_those_being_read():
     assert tier.lookup(103) is None and tier.lookup(104) == 1
 
 
+def test_host_tier_uses_only_the_memory_allocated_so_far():
+    tier = HostTier(3, ready=0)
+    tier.offer(101, device_block=5)  # no host block yet: not kept, nothing copied
+    assert tier.lookup(101) is None and not tier.take_transfers()
+    tier.grow(2)
+    tier.offer(102, device_block=6)
+    tier.offer(103, device_block=7)
+    tier.offer(104, device_block=8)  # the two ready blocks are used: 102 goes
+    assert tier.lookup(102) is None and {tier.lookup(103), tier.lookup(104)} == {0, 1}
+    tier.grow(10)  # never past the capacity
+    assert tier.num_blocks == 3
+
+
 def test_an_evicted_prefix_comes_back_from_host_blocks():
     bm = BlockManager(num_blocks=4, block_size=2, host_tier=HostTier(8))
     first = _request("a", [1, 2, 3, 4, 5])
@@ -72,6 +85,19 @@ def test_host_pool_round_trips_every_block_tensor(dtype):
     assert torch.equal(cache.view(torch.uint8)[:, 5], before[0][:, 1])
     assert torch.equal(cache.view(torch.uint8)[:, 3], before[0][:, 4])
     assert torch.equal(scales[:, 5], before[1][:, 1]) and torch.equal(scales[:, 0], before[1][:, 0])
+
+
+def test_host_pool_rows_span_chunks(monkeypatch):
+    from tgserve.server.kv_cache import host_pool
+
+    cache = torch.randn(2, 8, 4, 2, 8, generator=torch.Generator().manual_seed(1))
+    monkeypatch.setattr(host_pool, "CHUNK_BYTES", 2 * 2 * 4 * 2 * 8 * 4)  # two blocks a chunk
+    pool = HostKVPool([cache], num_blocks=5, device=torch.device("cpu"))
+    assert pool.ready_blocks == 5 and len(pool._chunks) == 3
+    before = cache.clone()
+    pool.apply(KVTransfers(offloads=[(0, 4), (1, 1), (2, 2)]))
+    pool.apply(KVTransfers(loads=[(4, 7), (1, 6), (2, 5)]))
+    assert torch.equal(cache[:, [7, 6, 5]], before[:, [0, 1, 2]])
 
 
 def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:
