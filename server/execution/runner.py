@@ -14,6 +14,7 @@ a step that samples them waits for the step before.
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,7 +31,7 @@ from tgserve.server.execution.step_rows import HostRows, span_slots
 from tgserve.server.kv_cache.host_pool import HostKVPool
 from tgserve.server.protocol.outputs import TokenLogprob
 from tgserve.server.protocol.params import SamplingParams
-from tgserve.server.sampling.guided import GuidedMatchers
+from tgserve.server.sampling.guided import GuidedMatchers, token_mask
 from tgserve.server.sampling.sampler import LogprobTensors, Sampler, SamplingRow, logprob_tensors
 
 # A sampled token whose value is still on the device.
@@ -105,6 +106,7 @@ class ModelRunner:
         # know). Without one, every guided request finishes with "grammar_error".
         self.guided = GuidedMatchers(None, 0)
         self.requests: dict[str, RunnerRequestState] = {}
+        self._mask_worker: ThreadPoolExecutor | None = None  # guided masks beside the forward
         self._pending: LaunchedStep | None = None  # the last step launched and not yet collected
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
@@ -122,10 +124,11 @@ class ModelRunner:
         if self._pending is not None and self._needs_known_tokens(scheduler_output):
             self.collect(self._pending)
         inputs = self._prepare_inputs(scheduler_output)
+        masks = self._masks_beside_the_forward(inputs.sampled_request_ids)
         logits = self.executor.run(inputs)[: inputs.logits_indices.shape[0]]  # padding rows dropped
         self.forward.backend.mark_step()
         num_sampled = len(inputs.sampled_request_ids)
-        step = self._sample(logits[:num_sampled], inputs.sampled_request_ids)
+        step = self._sample(logits[:num_sampled], inputs.sampled_request_ids, masks)
         step.prompt_rows = inputs.prompt_rows
         step.prompt_logprobs = self._score_prompt(logits[num_sampled:], inputs.prompt_rows)
         self.forward.backend.mark_step()
@@ -282,15 +285,31 @@ class ModelRunner:
             offset += count
         return result
 
-    def _sample(self, logits: torch.Tensor, request_ids: list[str]) -> LaunchedStep:
+    def _masks_beside_the_forward(self, request_ids: list[str]) -> Future | None:
+        """The guided rows' token masks, computed on a worker thread while the forward runs (on the
+        CPU the forward holds this thread; on CUDA it is queued and the GPU runs it). Their
+        matchers have consumed every earlier token: such a step waited for the step before."""
+        if not self.guided.vocab_size or not any(request_id in self.guided for request_id in request_ids):
+            return None  # no guided row, or no vocabulary known before the logits (then masked in _sample)
+        if self._mask_worker is None:
+            self._mask_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="guided-masks")
+        return self._mask_worker.submit(self.guided.mask_bits, list(request_ids), self.guided.vocab_size)
+
+    def _sample(
+        self, logits: torch.Tensor, request_ids: list[str], masks: Future | None = None
+    ) -> LaunchedStep:
         """Sample on the device; each sampled request's list gets a placeholder until `collect`.
+        masks: the step's guided masks being computed (`_masks_beside_the_forward`).
 
         num_computed_tokens is not advanced here: the next SchedulerOutput carries it.
         """
         if not request_ids:
             return LaunchedStep([])
         rows = [self._sampling_row(self.requests[r]) for r in request_ids]
-        mask = self.guided.mask(request_ids, logits) if len(self.guided) else None
+        if masks is not None:
+            mask = token_mask(masks.result(), logits.device)
+        else:
+            mask = self.guided.mask(request_ids, logits) if len(self.guided) else None
         sampled = self.sampler(logits, rows, mask)
         step = LaunchedStep(request_ids, sampled.token_ids, logprob_rows=sampled.logprob_rows)
         step.logprobs = sampled.logprob_tensors

@@ -160,3 +160,28 @@ def test_a_grammar_that_fails_ends_its_request_and_no_other() -> None:
     assert seen["bad"].finish_reason == "grammar_error"
     assert len(seen["bad"].tokens) == 1 and seen["bad"].tokens[0] in engine.eos_token_ids
     assert seen["good"].finish_reason == "length" and len(seen["good"].tokens) == 8
+
+
+def test_masks_are_computed_beside_the_forward(monkeypatch) -> None:
+    """Every guided step's masks come from the runner's worker thread, one call a step."""
+    import threading
+
+    from tgserve.server.sampling.guided import GuidedMatchers
+
+    threads: list[str] = []
+    compute = GuidedMatchers.mask_bits
+
+    def recorded(self, request_ids, vocab):
+        threads.append(threading.current_thread().name)
+        return compute(self, request_ids, vocab)
+
+    monkeypatch.setattr(GuidedMatchers, "mask_bits", recorded)
+    engine = make_engine(False)
+    params = SamplingParams(temperature=0.0, max_new_tokens=4, guided=GuidedDecoding("regex", r"[a-z]{4}"))
+    engine.add_request("a", [5, 6, 7], params)
+    engine.add_request("b", [8, 9, 10], params)
+    steps = 0
+    while engine.needs_step():
+        steps += bool(engine.step())
+    assert threads and all(name.startswith("guided-masks") for name in threads)
+    assert len(threads) <= steps + 1  # one call a step, for both requests
