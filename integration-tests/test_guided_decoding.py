@@ -70,6 +70,43 @@ def test_fifty_sampled_completions_all_follow_the_schema(client):
         jsonschema.validate(json.loads(text), SCHEMA)
 
 
+def test_32_guided_beside_32_unguided_leave_the_unguided_unchanged(client):
+    """One batch of 32 schema-guided and 32 unguided requests: every guided answer valid, and each
+    unguided one token for token what it is without guided neighbours (greedy, float32)."""
+    small = {
+        "type": "object",
+        "properties": {"answer": {"enum": ["yes", "no"]}, "sure": {"type": "boolean"}},
+        "required": ["answer", "sure"],
+        "additionalProperties": False,
+        "x-guidance": {"whitespace_flexible": False},  # llguidance's compact JSON: no rambling whitespace
+    }
+    guided_format = {"type": "json_schema", "json_schema": {"name": "reply", "schema": small, "strict": True}}
+    questions = [f"Is {n} a prime number? Say why." for n in range(2, 34)]
+
+    def unguided(question: str) -> str:
+        messages = [{"role": "user", "content": question}]
+        reply = client.chat.completions.create(
+            model="default", messages=messages, max_tokens=12, temperature=0
+        )
+        return reply.choices[0].message.content
+
+    def guided(question: str) -> tuple[str, str]:
+        messages = [{"role": "user", "content": question}]
+        reply = client.chat.completions.create(
+            model="default", messages=messages, response_format=guided_format, max_tokens=100, temperature=1.0
+        )
+        return reply.choices[0].message.content, reply.choices[0].finish_reason
+
+    with ThreadPoolExecutor(64) as pool:
+        alone = list(pool.map(unguided, questions))
+        mixed = [pool.submit(guided, q) for q in questions] + [pool.submit(unguided, q) for q in questions]
+        results = [future.result() for future in mixed]
+    for text, reason in results[:32]:
+        assert reason == "stop", text
+        jsonschema.validate(json.loads(text), small)
+    assert results[32:] == alone
+
+
 def test_the_client_parses_into_a_pydantic_model(client):
     class Answer(BaseModel):
         capital: str
