@@ -12,8 +12,10 @@ def build_parser() -> argparse.ArgumentParser:
     from tgserve.router.bench.cli import add_bench_command
     from tgserve.router.launcher import add_serve_command
     from tgserve.server.engine.cli_generate import add_generate_command
+    from tgserve.server.engine.cli_sparse_search import add_sparse_search_command
 
     add_generate_command(sub)
+    add_sparse_search_command(sub)
     add_serve_command(sub)
     add_bench_command(sub)
     return parser
