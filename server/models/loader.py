@@ -20,7 +20,12 @@ from tgserve.server.loading.quantization import (
     without_fp8_extras,
 )
 from tgserve.server.loading.source import ModelSource, iter_safetensors, safetensors_files, verify_safetensors
-from tgserve.server.models.registry import architecture_name, check_supported, native_model_class
+from tgserve.server.models.registry import (
+    UnsupportedModelError,
+    architecture_name,
+    check_supported,
+    native_model_class,
+)
 
 
 def load_model(
@@ -66,6 +71,8 @@ def load_model(
             return load_fallback_model(
                 str(source.directory), config, dtype, device, source.gguf_file, trust_remote_code
             )
+        except UnsupportedModelError:
+            raise  # refused by name: it says why already
         except (OSError, ValueError, RuntimeError) as exc:
             raise ModelLoadError(f"cannot load {source.display_name} through transformers: {exc}") from exc
     model = _construct(native, config, dtype, device)

@@ -22,8 +22,9 @@ class PagedCacheAdapter(Cache):
         super().__init__(**empty_cache_init_kwargs())
         self.ctx = ctx
 
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):  # noqa: ANN001, ANN201
-        # key_states [1, H_kv, T, D] -> [T, H_kv, D]
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN201
+        # key_states [1, H_kv, T, D] -> [T, H_kv, D]. What else the model passes (transformers 4.x's
+        # `cache_kwargs`, 5.x's `kwargs=`: rotary sin/cos, cache positions) is not needed here.
         kv_cache, kv_scale, meta = (
             self.ctx.kv_caches[layer_idx],
             self.ctx.kv_scale(layer_idx),

@@ -1,0 +1,212 @@
+"""The architecture sweep: every causal-LM architecture the installed transformers knows, built tiny
+and random from its own config class, run through the engine beside transformers' `generate`.
+
+    python -m tgserve.server.testing.arch_sweep [--only llama,gpt2] [--out docs/architectures.md]
+
+For each (model_type, class) of transformers' causal-LM auto mapping: a config from
+`AutoConfig.for_model` with the common size names set small (hidden 64, 2 layers, 4 heads of 16,
+2 KV heads, MoE with 4 experts routed top-2, the shared tokenizer's vocabulary), refused by name
+where the engine does not serve such models (encoder-decoder, multimodal, too large once shrunk);
+random weights (seeded, float32) saved as a checkpoint; greedy tokens of two prompts from transformers
+`generate` and from the engine (CPU, float32, chunked prefill, a prefix-cache hit), compared token
+for token. Each architecture runs in a process of its own, bounded in time, so one that crashes or
+hangs is a row of the table, not the end of the sweep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+NEW_TOKENS = 8
+MAX_PARAMETERS = 5_000_000  # a config the size names did not shrink is refused, not built
+SIZES: dict[str, Any] = {
+    # Llama-style names, then the older families' aliases (set only where the config has them).
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 512,
+    "n_embd": 64, "n_layer": 2, "n_head": 4, "n_inner": 128, "n_positions": 512, "n_ctx": 512,
+    "d_model": 64, "num_layers": 2, "ffn_dim": 128, "decoder_layers": 2, "decoder_attention_heads": 4,
+    "decoder_ffn_dim": 128, "moe_intermediate_size": 64, "num_experts": 4, "num_local_experts": 4,
+    "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "shared_expert_intermediate_size": 64,
+    "first_k_dense_replace": 1, "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8, "v_head_dim": 16, "sliding_window": 16,
+}  # fmt: skip
+MULTIMODAL_PARTS = ("vision_config", "audio_config", "text_config", "speech_config", "encoder_config")
+
+
+@dataclass
+class Row:
+    """One architecture's outcome: exact, differs, refused (why), failed (the engine's error), or
+    untested (transformers itself could not build or generate with the tiny config)."""
+
+    model_type: str
+    architecture: str
+    status: str
+    detail: str = ""
+    seconds: float = 0.0
+
+
+def causal_lm_architectures() -> list[tuple[str, str]]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items())
+
+
+def tiny_config(model_type: str, ids: Any) -> Any:
+    """The model type's config with the size names it has set small; raises Refused where the
+    engine does not serve such a model."""
+    from transformers import AutoConfig
+
+    default = AutoConfig.for_model(model_type)
+    if getattr(default, "is_encoder_decoder", False):
+        raise Refused("encoder-decoder")
+    if any(getattr(default, part, None) is not None for part in MULTIMODAL_PARTS):
+        raise Refused("multimodal (sub-configs)")
+    settable = [name for name in SIZES if not isinstance(getattr(type(default), name, None), property)]
+    sizes = {name: SIZES[name] for name in settable if hasattr(default, name)}
+    return AutoConfig.for_model(model_type, **sizes, **ids.as_kwargs())
+
+
+class Refused(Exception):
+    """An architecture the engine does not serve, and why."""
+
+
+def run_one(model_type: str, architecture: str, workdir: Path) -> Row:
+    """Build, save, generate both ways, compare (in this process)."""
+    import torch
+    import transformers
+
+    from tgserve.server.engine.llm import LLM
+    from tgserve.server.protocol.params import SamplingParams
+    from tgserve.server.testing.fixtures import _token_ids, _tokenizer_dir, default_cache_dir
+
+    start = time.perf_counter()
+    tokenizer_dir = _tokenizer_dir(default_cache_dir())  # the fixtures' shared tokenizer
+    try:
+        config = tiny_config(model_type, _token_ids(tokenizer_dir))
+    except Refused as why:
+        return Row(model_type, architecture, "refused", str(why))
+    except Exception as exc:  # the config class rejects the small sizes: the sweep's, not the engine's
+        return Row(model_type, architecture, "untested", f"config: {type(exc).__name__}: {exc}"[:300])
+    model_class = getattr(transformers, architecture)
+    directory = workdir / model_type
+    prompts = [
+        [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21],
+        [5, 6, 7, 8, 9, 10, 11, 12, 30, 31],
+    ]
+    try:
+        with torch.device("meta"):
+            count = sum(p.numel() for p in model_class(config).parameters())
+        if count > MAX_PARAMETERS:
+            return Row(
+                model_type,
+                architecture,
+                "refused",
+                f"not shrunk by the common size names ({count:,} parameters)",
+            )
+        torch.manual_seed(0)
+        model = model_class(config).float().eval()
+        model.save_pretrained(directory)
+        want = []
+        for prompt in prompts:
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                 min_new_tokens=NEW_TOKENS, pad_token_id=config.pad_token_id)  # fmt: skip
+            want.append(out[0, len(prompt) :].tolist())
+    except Exception as exc:  # the tiny config does not work in transformers either: not the engine's
+        return Row(model_type, architecture, "untested", f"transformers: {type(exc).__name__}: {exc}"[:300])
+    for file in tokenizer_dir.iterdir():
+        shutil.copy(file, directory / file.name)
+    from tgserve.server.models.registry import UnsupportedModelError
+
+    try:
+        llm = LLM(
+            str(directory),
+            dtype="float32",
+            device="cpu",
+            max_num_batched_tokens=8,
+            block_size=8,
+            num_blocks=64,
+        )
+    except UnsupportedModelError as why:  # the engine refuses it by name
+        return Row(model_type, architecture, "refused", str(why)[:300])
+    params = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    got = [
+        llm.generate([p], params)[0].token_ids for p in prompts
+    ]  # one at a time: the second hits the first's blocks
+    seconds = time.perf_counter() - start
+    if got == want:
+        return Row(model_type, architecture, "exact", "", seconds)
+    return Row(model_type, architecture, "differs", f"engine {got} vs transformers {want}", seconds)
+
+
+def run_isolated(model_type: str, architecture: str, timeout_s: float) -> Row:
+    """`run_one` in a process of its own: a crash or a hang is a row too."""
+    command = [sys.executable, "-m", "tgserve.server.testing.arch_sweep", "--one", model_type, architecture]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return Row(model_type, architecture, "failed", f"no result in {timeout_s:.0f} s")
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        error = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+        return Row(model_type, architecture, "failed", error[:300])
+    return Row(**json.loads(lines[-1]))
+
+
+def table(rows: list[Row]) -> str:
+    counts: dict[str, int] = {}
+    for row in rows:
+        counts[row.status] = counts.get(row.status, 0) + 1
+    summary = ", ".join(f"{status} {n}" for status, n in sorted(counts.items()))
+    lines = [
+        "# Causal-LM architectures of the installed transformers through the engine",
+        "",
+        f"{len(rows)} architectures: {summary}. `python -m tgserve.server.testing.arch_sweep` (`make test-arch`)",
+        "writes this table: each built tiny and random from its own config class, greedy tokens of the",
+        "engine (CPU, float32, chunked prefill, a prefix-cache hit) against transformers `generate`.",
+        "",
+        "| model_type | class | status | detail |",
+        "|---|---|---|---|",
+    ]
+    for row in rows:
+        detail = row.detail.replace("|", "\\|").replace("\n", " ")
+        lines.append(f"| {row.model_type} | {row.architecture} | {row.status} | {detail} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--only", help="comma-separated model types")
+    parser.add_argument("--timeout", type=float, default=180.0)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--one", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        with tempfile.TemporaryDirectory() as workdir:
+            print(json.dumps(asdict(run_one(*args.one, Path(workdir)))))
+        return
+    wanted = set(args.only.split(",")) if args.only else None
+    rows = []
+    for model_type, architecture in causal_lm_architectures():
+        if wanted is None or model_type in wanted:
+            rows.append(run_isolated(model_type, architecture, args.timeout))
+            print(f"{model_type}: {rows[-1].status} {rows[-1].detail[:120]}", flush=True)
+    text = table(rows)
+    if args.out:
+        args.out.write_text(text)
+    else:
+        print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""A sample of the architecture sweep in the suite (`make test-arch` runs every architecture the
+installed transformers knows and writes docs/architectures.md): each builds tiny from its own config
+class and gives transformers' greedy tokens through the engine; what the engine does not serve is
+refused by name."""
+
+from __future__ import annotations
+
+import pytest
+
+from tgserve.server.testing.arch_sweep import Refused, run_one, tiny_config
+from tgserve.server.testing.tiny_configs import TokenIds
+
+# Families the fixtures do not cover, or cover with their own hand-made configs.
+SAMPLE = [
+    ("gpt_neox", "GPTNeoXForCausalLM"),
+    ("phi3", "Phi3ForCausalLM"),
+    ("qwen3", "Qwen3ForCausalLM"),
+    ("gemma2", "Gemma2ForCausalLM"),
+    ("mixtral", "MixtralForCausalLM"),
+    ("opt", "OPTForCausalLM"),
+]
+
+
+@pytest.mark.parametrize("model_type,architecture", SAMPLE)
+def test_a_tiny_model_of_the_family_gives_transformers_tokens(tmp_path, model_type, architecture):
+    row = run_one(model_type, architecture, tmp_path)
+    assert row.status == "exact", row
+
+
+def test_an_encoder_decoder_is_refused_by_name():
+    with pytest.raises(Refused, match="encoder-decoder"):
+        tiny_config("bart", TokenIds(vocab_size=100, bos_token_id=0, eos_token_id=1, pad_token_id=2))
+
+
+def test_sizes_are_set_only_where_the_config_takes_them():
+    config = tiny_config("falcon", TokenIds(vocab_size=100, bos_token_id=0, eos_token_id=1, pad_token_id=2))
+    assert config.hidden_size == 64 and config.num_hidden_layers == 2 and config.vocab_size == 100
+
+
+def test_attention_with_learned_sinks_is_refused_not_served_wrong(tmp_path):
+    """gpt-oss's sinks take a share of every softmax: the paged attention would leave them out."""
+    row = run_one("gpt_oss", "GptOssForCausalLM", tmp_path)
+    assert row.status == "refused" and "sinks" in row.detail, row
