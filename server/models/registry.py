@@ -62,3 +62,36 @@ def check_supported(architecture: str, trust_remote_code: bool) -> None:
         "and any decoder-only architecture of the installed transformers through its fallback "
         "(or one with remote code, with --trust-remote-code)"
     )
+
+
+# Layer kinds whose state is a softmax attention's keys and values, which the paged KV cache holds.
+ATTENTION_LAYER_KINDS = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+STATE_SPACE_ATTRIBUTES = ("state_size", "ssm_state_size", "mamba_d_state")
+
+
+def check_attention_layers(config: Any, architecture: str) -> None:
+    """Raise UnsupportedModelError for a model whose layers keep state other than softmax attention's
+    keys and values (state-space, linear or compressed attention, convolutions): the engine would
+    serve such a model wrong tokens or fail mid-step (docs/architectures.md)."""
+    try:
+        heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
+        layer_types = getattr(config, "layer_types", None)
+        state = [name for name in STATE_SPACE_ATTRIBUTES if getattr(config, name, None) is not None]
+    except Exception:  # noqa: BLE001 - per-layer (heterogeneous) configs refuse global reads: not judged here
+        return
+    others = (
+        sorted(set(layer_types or ()) - ATTENTION_LAYER_KINDS)
+        if isinstance(layer_types, list | tuple)
+        else []
+    )
+    if heads is None:
+        reason = "it has no attention heads (a recurrent or state-space model)"
+    elif others:
+        reason = f"its layers of kind {others} keep state that the paged KV cache does not hold"
+    elif state:
+        reason = (
+            f"its state-space layers ({', '.join(state)}) keep state that the paged KV cache does not hold"
+        )
+    else:
+        return
+    raise UnsupportedModelError(f"architecture {architecture!r} is not supported: {reason}")

@@ -41,3 +41,30 @@ def test_attention_with_learned_sinks_is_refused_not_served_wrong(tmp_path):
     """gpt-oss's sinks take a share of every softmax: the paged attention would leave them out."""
     row = run_one("gpt_oss", "GptOssForCausalLM", tmp_path)
     assert row.status == "refused" and "sinks" in row.detail, row
+
+
+@pytest.mark.parametrize(
+    "model_type,reason",
+    [
+        ("mamba", "no attention heads"),
+        ("minimax", "linear_attention"),
+        ("lfm3", "conv"),
+        ("bamba", "linear_attention"),
+    ],
+)
+def test_layers_that_are_not_softmax_attention_are_refused_by_name(model_type, reason):
+    from transformers import AutoConfig
+
+    from tgserve.server.models.registry import UnsupportedModelError, check_attention_layers
+
+    with pytest.raises(UnsupportedModelError, match=reason):
+        check_attention_layers(AutoConfig.for_model(model_type), model_type)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "gpt2", "falcon", "qwen3"])
+def test_attention_models_pass_the_layer_check(model_type):
+    from transformers import AutoConfig
+
+    from tgserve.server.models.registry import check_attention_layers
+
+    check_attention_layers(AutoConfig.for_model(model_type), model_type)
