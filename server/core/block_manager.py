@@ -10,11 +10,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from tgserve.server.core.host_tier import HostTier, KVTransfers
+from tgserve.server.core.host_tier import BlockHash, HostTier, KVTransfers
 from tgserve.server.core.request import Request
-
-# The hash of a block is hash((parent_block_hash, tuple(token_ids))); the first block's parent is None.
-BlockHash = int
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+# The hash of a block is hash((parent_block_hash, tuple(token_ids))); the first block's parent is None.
 BlockHash = int
 
 

@@ -40,17 +40,12 @@ def _block_bytes_views(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return views
 
 
-def block_bytes(tensors: list[torch.Tensor]) -> int:
-    """Bytes of one block across `tensors` (the pool's block-indexed tensors)."""
-    return sum(2 * view.shape[2] for view in _block_bytes_views(tensors))
-
-
 class HostKVPool:
     """`num_blocks` host rows, each one block of the device pool's `tensors` (all of its layers)."""
 
     def __init__(self, tensors: list[torch.Tensor], num_blocks: int, device: torch.device) -> None:
         self.views = _block_bytes_views(tensors)
-        self.block_bytes = block_bytes(tensors)
+        self.block_bytes = sum(2 * view.shape[2] for view in self.views)
         self.device = device
         self.cuda = device.type == "cuda"
         self.num_blocks = num_blocks
