@@ -17,7 +17,10 @@ from tgserve.server.kv_cache.host_pool import HostKVPool
 from tgserve.server.testing.fixtures import fixture_path
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
-POOL = dict(max_num_batched_tokens=64, block_size=8, num_blocks=24)  # 192 tokens of KV
+# 192 tokens of KV, in float32 on every device: the swap test's tokens are exact only where the
+# numerics do not depend on the batch (a bf16 run on a GPU diverges at near ties when preempted,
+# swapped or recomputed alike).
+POOL = dict(max_num_batched_tokens=64, block_size=8, num_blocks=24, dtype="float32")
 HOST_GIB = 32 * 4096 / 2**30  # 32 blocks of the fixture's 4 KiB: room for all that the prompts evict
 
 
