@@ -183,3 +183,25 @@ def test_tgi_bad_regex_is_a_422(smol_server):
     response = tgi(smol_server, "/generate", {"type": "regex", "value": "(("}, max_new_tokens=4)
     assert response.status_code == 422
     assert "regular expression" in response.json()["error"] and response.json()["error_type"] == "validation"
+
+
+# ---- the other grammar library ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def xgrammar_server(start_server):
+    return start_server(["--guided-decoding-backend", "xgrammar"], name="smollm2-xgrammar")
+
+
+def test_with_xgrammar_sampled_completions_follow_the_schema_and_regex_grammars_match(xgrammar_server):
+    client = openai.OpenAI(base_url=f"{xgrammar_server.url}/v1", api_key="unused", max_retries=0)
+    completion = client.chat.completions.create(
+        model="default", messages=MESSAGES, response_format=RESPONSE_FORMAT, max_tokens=100,
+        temperature=1.0, seed=3, n=8,
+    )  # fmt: skip
+    for choice in completion.choices:
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+    response = tgi(xgrammar_server, "/generate", {"type": "regex", "value": DATE}, max_new_tokens=16)
+    assert response.status_code == 200, response.text
+    assert re.fullmatch(DATE, response.json()["generated_text"])

@@ -39,6 +39,19 @@ def parse_kv_cache_dtype(text: str) -> str:
     return text
 
 
+# --guided-decoding-backend's names (server/sampling/grammar_backends.py GUIDED_DECODING_BACKENDS; a
+# test keeps the two lists equal).
+GUIDED_DECODING_BACKEND_NAMES = ("llguidance", "xgrammar")
+
+
+def parse_guided_decoding_backend(text: str) -> str:
+    if text not in GUIDED_DECODING_BACKEND_NAMES:
+        raise argparse.ArgumentTypeError(
+            f"expected one of {', '.join(GUIDED_DECODING_BACKEND_NAMES)}, got {text!r}"
+        )
+    return text
+
+
 @dataclass(frozen=True)
 class Flag:
     """One option: --name, its variable, type and default. aliases are older TGI spellings."""
@@ -96,6 +109,13 @@ FLAGS: tuple[Flag, ...] = (
         0.0,
         "GiB of host memory for prefix-cache blocks evicted from the KV pool, loaded back on a hit instead of "
         "recomputed (0: off; CUDA and the CPU)",
+    ),
+    Flag(
+        "guided-decoding-backend",
+        parse_guided_decoding_backend,
+        "llguidance",
+        "The grammar library of structured output (response_format, tools, grammar): llguidance or xgrammar "
+        "(install tgserve[xgrammar])",
     ),
     Flag("hostname", str, "0.0.0.0", "Address to listen on"),
     Flag("port", int, 3000, "Port to listen on"),
@@ -250,6 +270,7 @@ def engine_args(args: argparse.Namespace) -> dict[str, Any]:
         "decode_attention_budget": args.decode_attention_budget,
         "decode_attention_min_context": args.decode_attention_min_context,
         "kv_offload_gb": args.kv_offload_gb,
+        "guided_decoding_backend": args.guided_decoding_backend,
     }
     if args.allow_pickle_weights:
         result["allow_pickle"] = True

@@ -42,6 +42,8 @@ class EngineArgs:
     # later request with that prefix loads them back instead of recomputing (0: off). CUDA and the
     # CPU (where a second CPU pool stands in for host memory); core/host_tier.py.
     kv_offload_gb: float = 0.0
+    # The grammar library of guided decoding: "llguidance" or "xgrammar" (sampling/grammar_backends.py).
+    guided_decoding_backend: str = "llguidance"
     tensor_parallel_size: int = 1  # --num-shard: shards of the model, one device each (llama family)
     # Schedule step N+1 while the device runs step N (None: on GPUs, where the host would otherwise
     # idle the device; on the CPU there is nothing to overlap).

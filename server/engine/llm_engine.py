@@ -34,6 +34,7 @@ from tgserve.server.loading.source import load_tokenizer
 from tgserve.server.protocol.grammar import check_grammar
 from tgserve.server.protocol.outputs import EngineStats, RequestOutput, TokenLogprob
 from tgserve.server.protocol.params import InvalidRequestError, SamplingParams, check_prompt_tokens
+from tgserve.server.sampling.grammar_backends import check_guided_decoding_backend
 from tgserve.server.sampling.guided import GuidedMatchers
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs, described: ModelDescription | None = None) -> None:
         self.args = args
+        check_guided_decoding_backend(args.guided_decoding_backend)  # before the (slow) load
         described = described or load_model_description(args)
         self.device, self.dtype, self.source = described.device, described.dtype, described.source
         self.config, self.max_model_len = described.config, described.max_model_len
@@ -55,7 +57,9 @@ class LLMEngine:
         self.tp, self.workers = self._join_shards()
         self.shard = build_shard(args, described, self.device, self.tp)
         self.runner, self.num_blocks = self.shard.runner, self.shard.num_blocks
-        self.runner.guided = GuidedMatchers(lambda: (self.tokenizer, self.eos_token_ids), self.vocab_size)
+        self.runner.guided = GuidedMatchers(
+            lambda: (self.tokenizer, self.eos_token_ids), self.vocab_size, args.guided_decoding_backend
+        )
         self.memory_profile: MemoryProfile | None = self.shard.memory_profile
         self.scheduler = Scheduler(
             SchedulerConfig(

@@ -66,7 +66,9 @@ def worker_main(rank: int, args: EngineArgs, init_method: str) -> None:
         shard = build_shard(args, described, shard_device(described.device, rank), tp)
     # Guided rows are masked on every rank alike, from the same tokenizer, loaded when first needed.
     shard.runner.guided = GuidedMatchers(
-        lambda: _tokenizer_and_eos(args, described), int(described.config.vocab_size)
+        lambda: _tokenizer_and_eos(args, described),
+        int(described.config.vocab_size),
+        args.guided_decoding_backend,
     )
     # Each step is launched before the last one's tokens are read, as rank 0 does with async
     # scheduling: a worker whose host waited for its GPU would hold every rank at the next collective.

@@ -1,16 +1,17 @@
-"""Guided decoding on the engine side: an llguidance matcher per guided request, and each step's
-token masks for the rows of those requests.
+"""Guided decoding on the engine side: a grammar matcher per guided request (llguidance's, or
+xgrammar's with `--guided-decoding-backend xgrammar`; grammar_backends.py), and each step's token
+masks for the rows of those requests.
 
-Before sampling, every guided row gets a bitmask of the tokens its grammar allows next (llguidance
-fills them on the host, into one array per step, through its own thread pool: tens of microseconds a
-row for a JSON schema); the sampler turns disallowed tokens' logits into -inf before any penalty,
+Before sampling, every guided row gets a bitmask of the tokens its grammar allows next (the grammar
+library fills them on the host, into one array per step, through its own thread pool: tens of
+microseconds a row for a JSON schema); the sampler turns disallowed tokens' logits into -inf before any penalty,
 warper or greedy pick. When the step's tokens are read, each matcher consumes its request's token,
 and a request whose grammar is complete finishes ("eos_token"), as does one whose matcher is in
 error: its grammar failed to compile, or it allows no token ("grammar_error"; such a row's mask
 lets only the end-of-sequence tokens through, so its last token is one of those).
 
 The runner computes a step's masks on a worker thread while the forward runs (`mask_bits`, one
-call a step; llguidance's own threads fill the rows), and hands them to the sampler after it
+call a step; the library's own threads fill the rows), and hands them to the sampler after it
 (`token_mask`). That hides llguidance's share of the mask stage (1.2 of 8.2 ms a step for 64 rows
 of SmolLM2 on two CPU cores); unpacking the bits and masking the logits stay in the sampler. A step that samples a guided request still waits for that request's previous token
 first (as penalties do): with async scheduling, batches with guided requests lose the overlap of
@@ -35,8 +36,8 @@ import torch
 
 from tgserve.server.core.request import FinishReason
 from tgserve.server.device.transfer import pinned_to, to_device
-from tgserve.server.protocol.grammar import grammar_text
 from tgserve.server.protocol.params import GuidedDecoding
+from tgserve.server.sampling.grammar_backends import grammar_backend
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ TokenizerLoader = Callable[[], tuple[Any, Iterable[int]]]
 @dataclass
 class TokenMask:
     """The allowed tokens of the batch rows `rows`: `bits` [len(rows), ceil(V / 32)] int32, on the
-    logits' device, bit j of word w allowing token 32 w + j (llguidance's layout)."""
+    logits' device, bit j of word w allowing token 32 w + j (the layout of both grammar libraries)."""
 
     rows: list[int]
     bits: torch.Tensor
@@ -102,17 +103,19 @@ def token_mask(bits: tuple[list[int], np.ndarray] | None, device: torch.device) 
 class GuidedMatchers:
     """The guided requests of one runner: their matchers, each step's masks, the tokens they consume.
 
-    Nothing here raises for a request's grammar: a grammar that does not compile (or llguidance
-    missing) makes a matcher in error, which finishes its request and no other.
+    Nothing here raises for a request's grammar: a grammar that does not compile (or the grammar
+    library missing) makes a matcher in error, which finishes its request and no other.
     """
 
-    def __init__(self, load_tokenizer: TokenizerLoader | None, vocab_size: int) -> None:
+    def __init__(
+        self, load_tokenizer: TokenizerLoader | None, vocab_size: int, backend: str = "llguidance"
+    ) -> None:
         self._load_tokenizer = load_tokenizer
         self._vocab_size = vocab_size
-        self._tokenizer: Any | None = None  # llguidance's LLTokenizer, built on first use (~0.3 s)
-        self._tokenizer_error: Exception | None = None  # why it could not be built: not tried again
+        self._backend_name = backend
+        self._backend: Any | None = None  # built with the tokenizer on first use (~0.3 s)
+        self._backend_error: Exception | None = None  # why it could not be built: not tried again
         self._eos_ids: list[int] = []
-        self._executor: Any | None = None
         self._requests: dict[str, _Guided] = {}
 
     @property
@@ -133,10 +136,8 @@ class GuidedMatchers:
         if kept is not None and kept.num_consumed == len(output_token_ids):
             return
         try:
-            import llguidance
-
-            matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar_text(spec), log_level=0)
-        except Exception as exc:  # ImportError, a tokenizer llguidance cannot read, a bad grammar
+            matcher = self._grammar_backend().matcher(spec)
+        except Exception as exc:  # ImportError, a tokenizer the library cannot read, a bad grammar
             self._requests[request_id] = _Guided(None, error=f"{type(exc).__name__}: {exc}")
             logger.warning("request %s: no grammar matcher: %s", request_id, exc)
             return
@@ -147,30 +148,23 @@ class GuidedMatchers:
     def remove(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
 
-    def _llg_tokenizer(self) -> Any:
-        if self._tokenizer is None:
-            if self._tokenizer_error is not None:
-                raise self._tokenizer_error
+    def _grammar_backend(self) -> Any:
+        if self._backend is None:
+            if self._backend_error is not None:
+                raise self._backend_error
             try:
-                self._tokenizer = self._build_tokenizer()
+                self._backend = self._build_backend()
             except Exception as exc:
-                self._tokenizer_error = exc
+                self._backend_error = exc
                 raise
-        return self._tokenizer
+        return self._backend
 
-    def _build_tokenizer(self) -> Any:
-        import llguidance
-        import llguidance.hf
-
+    def _build_backend(self) -> Any:
         if self._load_tokenizer is None:
             raise RuntimeError("this engine was built without a tokenizer for guided decoding")
         hf_tokenizer, eos_ids = self._load_tokenizer()
         self._eos_ids = sorted(eos_ids)
-        # The mask covers the model's vocabulary (logits columns), or the tokenizer's where it is larger.
-        n_vocab = max(self._vocab_size, len(hf_tokenizer))
-        tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab, self._eos_ids or None)
-        self._executor = llguidance.LLExecutor()
-        return tokenizer
+        return grammar_backend(self._backend_name, hf_tokenizer, self._vocab_size, self._eos_ids)
 
     def mask(self, request_ids: Sequence[str], logits: torch.Tensor) -> TokenMask | None:
         """The masks of the guided requests among a step's sampled rows (`request_ids`, the rows
@@ -180,12 +174,12 @@ class GuidedMatchers:
     def mask_bits(self, request_ids: Sequence[str], vocab: int) -> tuple[list[int], np.ndarray] | None:
         """Host work only, so a worker thread can do it while the forward runs: (the rows of the
         guided requests among `request_ids`, their bitmasks int32 [rows, words]), or None when
-        there are none. `vocab`: the logits' width, used until llguidance has a tokenizer."""
+        there are none. `vocab`: the logits' width, used until the grammar library has a tokenizer."""
         rows = [i for i, request_id in enumerate(request_ids) if request_id in self._requests]
         if not rows:
             return None
-        # llguidance's width once it has a tokenizer (the larger of the model's and the tokenizer's).
-        vocab = self._tokenizer.vocab_size if self._tokenizer is not None else vocab
+        # The library's width once it has a tokenizer (the larger of the model's and the tokenizer's).
+        vocab = self._backend.vocab_size if self._backend is not None else vocab
         width = (vocab + 31) // 32
         bits = np.zeros((len(rows), width), dtype=np.int32)
         working = []
@@ -196,9 +190,7 @@ class GuidedMatchers:
             else:
                 working.append((guided.matcher, k))
         if working:
-            import llguidance.numpy
-
-            llguidance.numpy.fill_next_token_bitmask_par(self._executor, working, bits)
+            self._backend.fill(working, bits)
             for _, k in working:
                 if not bits[k].any():  # nothing allowed: end the request on an end-of-sequence token
                     self._allow_only_eos(bits[k])

@@ -24,14 +24,24 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(fixture_path("llama"))
 
 
-@pytest.fixture
-def matchers(tokenizer) -> GuidedMatchers:
-    return GuidedMatchers(lambda: (tokenizer, {tokenizer.eos_token_id}), VOCAB)
+@pytest.fixture(params=["llguidance", "xgrammar"])
+def matchers(request, tokenizer) -> GuidedMatchers:
+    return GuidedMatchers(lambda: (tokenizer, {tokenizer.eos_token_id}), VOCAB, request.param)
 
 
 def allowed_ids(matchers: GuidedMatchers, request_ids: list[str], row: int = 0) -> list[int]:
     mask = matchers.mask(request_ids, torch.zeros(len(request_ids), VOCAB))
     return torch.nonzero(allowed_tokens(mask.bits, VOCAB)[row]).flatten().tolist()
+
+
+def completing(matchers: GuidedMatchers, request_id: str, token: int, eos: int) -> FinishReason | None:
+    """The request's finish reason once `token` completes its grammar: llguidance ends the request
+    on that token; xgrammar then allows the end token alone, and ends the request on it."""
+    reason = matchers.consume(request_id, token)
+    if matchers._backend_name == "xgrammar":
+        assert reason is None and allowed_ids(matchers, [request_id]) == [eos]
+        reason = matchers.consume(request_id, eos)
+    return reason
 
 
 # ---- the grammar check -----------------------------------------------------------------------
@@ -95,8 +105,8 @@ def test_the_mask_allows_what_the_grammar_allows_and_the_end_comes_with_it(match
     digits = tokenizer.encode("123")
     for token in digits[:-1]:
         assert matchers.consume("r", token) is None
-    # The grammar is complete on the last digit: the request ends there, without a token more.
-    assert matchers.consume("r", digits[-1]) == FinishReason.EOS_TOKEN
+    # The grammar is complete on the last digit: nothing but the end may follow.
+    assert completing(matchers, "r", digits[-1], tokenizer.eos_token_id) == FinishReason.EOS_TOKEN
 
 
 def test_an_accepting_grammar_lets_the_end_token_through(matchers, tokenizer) -> None:
@@ -130,7 +140,8 @@ def test_a_request_coming_back_from_preemption_resumes_its_grammar(matchers, tok
     matchers.add("stepwise", spec, output)
     matchers.add("rebuilt", spec, output + [tokenizer.encode(",")[0]])
     assert allowed_ids(matchers, ["stepwise"]) != allowed_ids(matchers, ["rebuilt"])
-    assert matchers.consume("stepwise", tokenizer.encode("}")[0]) == FinishReason.EOS_TOKEN
+    closing = tokenizer.encode("}")[0]
+    assert completing(matchers, "stepwise", closing, tokenizer.eos_token_id) == FinishReason.EOS_TOKEN
 
 
 def test_a_grammar_that_does_not_compile_ends_its_request_on_the_end_token(matchers, tokenizer) -> None:
@@ -216,3 +227,43 @@ def test_packed_bits_unpack_to_llguidances_token_order() -> None:
     assert torch.nonzero(allowed[0]).flatten().tolist() == [0, 2, 63]
     assert torch.nonzero(allowed[1]).flatten().tolist() == list(range(32)) + [39]
     assert allowed_tokens(words, 40).shape == (2, 40)
+
+
+def test_both_backends_allow_a_valid_output_and_refuse_an_invalid_one(tokenizer) -> None:
+    """llguidance and xgrammar (which differ in the whitespace they allow between JSON tokens) both
+    allow every token of an output that follows the schema, and neither a letter where the integer
+    goes."""
+    spec = GuidedDecoding(
+        "json_schema",
+        '{"type": "object", "properties": {"n": {"type": "integer"}, "tag": {"enum": ["a", "bc"]}},'
+        ' "required": ["n", "tag"], "additionalProperties": false}',
+    )
+    eos = tokenizer.eos_token_id
+    for name in ("llguidance", "xgrammar"):
+        matchers = GuidedMatchers(lambda: (tokenizer, {eos}), VOCAB, name)
+        matchers.add("r", spec)
+        prefix = tokenizer.encode('{"n": ')
+        for token in prefix:
+            assert token in allowed_ids(matchers, ["r"]) and matchers.consume("r", token) is None, name
+        assert tokenizer.encode("x")[0] not in allowed_ids(matchers, ["r"]), name
+        rest = tokenizer.encode('12, "tag": "bc"')
+        for token in rest:
+            assert token in allowed_ids(matchers, ["r"]) and matchers.consume("r", token) is None, name
+        assert completing(matchers, "r", tokenizer.encode("}")[0], eos) == FinishReason.EOS_TOKEN, name
+
+
+def test_an_unknown_or_missing_backend_is_refused_at_start_up(monkeypatch) -> None:
+    import importlib.util
+
+    from tgserve.router.serve_args import GUIDED_DECODING_BACKEND_NAMES
+    from tgserve.server.sampling.grammar_backends import (
+        GUIDED_DECODING_BACKENDS,
+        check_guided_decoding_backend,
+    )
+
+    assert GUIDED_DECODING_BACKEND_NAMES == GUIDED_DECODING_BACKENDS
+    with pytest.raises(ValueError, match="must be one of"):
+        check_guided_decoding_backend("outlines")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match=r"needs the xgrammar package.*tgserve\[xgrammar\]"):
+        check_guided_decoding_backend("xgrammar")
