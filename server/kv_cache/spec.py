@@ -108,9 +108,16 @@ def head_dim(config: Any) -> int:
     return hidden // num_attention_heads(config)
 
 
+# Model types whose config carries a `sliding_window` that transformers' model never applies (Moshi
+# masks with `create_causal_mask` only): full attention, as they run there (docs/architectures.md).
+WINDOW_NOT_APPLIED = frozenset({"moshi"})
+
+
 def layer_sliding_windows(config: Any) -> list[int | None]:
     """Per layer: the sliding window or None. `layer_types` wins; else a global window if enabled."""
     n = num_layers(config)
+    if getattr(config, "model_type", None) in WINDOW_NOT_APPLIED:
+        return [None] * n
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:

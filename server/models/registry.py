@@ -64,6 +64,15 @@ def check_supported(architecture: str, trust_remote_code: bool) -> None:
     )
 
 
+# Attention that is not one softmax over one layer's keys and values, by model type: DiffLlama's
+# differential attention attends twice a layer with the same keys and two different values, and the
+# paged cache holds one set a layer (found by the architecture sweep, docs/architectures.md). Not
+# every second call is wrong: HRM runs its layers several times a step, each call's keys and values
+# replacing the last, as its own cache does.
+NOT_ONE_ATTENTION_A_LAYER = {
+    "diffllama": "differential attention (two softmaxes a layer, two sets of values)"
+}
+
 # Layer kinds whose state is a softmax attention's keys and values, which the paged KV cache holds.
 ATTENTION_LAYER_KINDS = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
 STATE_SPACE_ATTRIBUTES = ("state_size", "ssm_state_size", "mamba_d_state")
@@ -86,6 +95,8 @@ def check_attention_layers(config: Any, architecture: str) -> None:
     )
     if heads is None:
         reason = "it has no attention heads (a recurrent or state-space model)"
+    elif getattr(config, "model_type", None) in NOT_ONE_ATTENTION_A_LAYER:
+        reason = f"its {NOT_ONE_ATTENTION_A_LAYER[config.model_type]} is not computed by the paged attention"
     elif others:
         reason = f"its layers of kind {others} keep state that the paged KV cache does not hold"
     elif state:

@@ -68,3 +68,20 @@ def test_attention_models_pass_the_layer_check(model_type):
     from tgserve.server.models.registry import check_attention_layers
 
     check_attention_layers(AutoConfig.for_model(model_type), model_type)
+
+
+@pytest.mark.parametrize(
+    "model_type,architecture",
+    [
+        ("moshi", "MoshiForCausalLM"),  # its config's sliding window is one transformers never applies
+        ("megatron-bert", "MegatronBertForCausalLM"),  # a BERT-style config, set up as the decoder
+    ],
+)
+def test_families_the_sweep_found_differing_now_give_transformers_tokens(tmp_path, model_type, architecture):
+    row = run_one(model_type, architecture, tmp_path)
+    assert row.status == "exact", row
+
+
+def test_differential_attention_is_refused_by_name(tmp_path):
+    row = run_one("diffllama", "DiffLlamaForCausalLM", tmp_path)
+    assert row.status == "refused" and "differential attention" in row.detail, row
