@@ -80,6 +80,13 @@ def _decode_kernel(
     group,
     head_dim,
     num_splits,
+    hk_ptr,
+    hv_ptr,
+    hks_ptr,
+    hvs_ptr,
+    num_device_blocks,
+    stride_h_block,
+    stride_hs_block,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -96,6 +103,7 @@ def _decode_kernel(
     SUMMARY: tl.constexpr = False,
     F16_PRODUCTS: tl.constexpr = False,
     PDL: tl.constexpr = False,
+    HOST: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     seq = tl.program_id(0)
@@ -166,16 +174,30 @@ def _decode_kernel(
             mapped = tl.load(chosen_row + column, mask=in_ctx & chosen, other=0)
             column = tl.where(chosen, mapped, tl.where(through, current, column))
         page = tl.load(table + column, mask=in_ctx, other=0).to(tl.int64)
-        base = page * stride_c_block + (pos % BLOCK_SIZE) * stride_c_off + kv_head * stride_c_head
+        within = (pos % BLOCK_SIZE) * stride_c_off + kv_head * stride_c_head
+        at = page * stride_c_block + within
+        k_at = k_ptr + at[:, None] + dims[None, :]
+        v_at = v_ptr + at[:, None] + dims[None, :]
+        if HOST:  # pages past the device pool's are host blocks, read where they lie
+            on_host = page >= num_device_blocks
+            host_at = (page - num_device_blocks) * stride_h_block + within
+            k_at = tl.where(on_host[:, None], hk_ptr + host_at[:, None] + dims[None, :], k_at)
+            v_at = tl.where(on_host[:, None], hv_ptr + host_at[:, None] + dims[None, :], v_at)
         kv_mask = in_ctx[:, None] & dim_ok[None, :]
-        k = tl.load(k_ptr + base[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + base[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(k_at, mask=kv_mask, other=0.0)
+        v = tl.load(v_at, mask=kv_mask, other=0.0)
         mask = in_ctx & (pos >= first)
         if SCALED:  # fp8 in the cache, one float32 scale a (token, KV head)
             # [2, blocks, KV heads, BLOCK_SIZE]: a page's scales of this head are one contiguous run.
-            scale_at = (page * num_kv_heads + kv_head) * BLOCK_SIZE + pos % BLOCK_SIZE
-            k_scale = tl.load(ks_ptr + scale_at, mask=in_ctx, other=0.0)
-            v_scale = tl.load(vs_ptr + scale_at, mask=in_ctx, other=0.0)
+            head_run = kv_head * BLOCK_SIZE + pos % BLOCK_SIZE
+            ks_at = ks_ptr + page * num_kv_heads * BLOCK_SIZE + head_run
+            vs_at = vs_ptr + page * num_kv_heads * BLOCK_SIZE + head_run
+            if HOST:
+                host_scale_at = (page - num_device_blocks) * stride_hs_block + head_run
+                ks_at = tl.where(on_host, hks_ptr + host_scale_at, ks_at)
+                vs_at = tl.where(on_host, hvs_ptr + host_scale_at, vs_at)
+            k_scale = tl.load(ks_at, mask=in_ctx, other=0.0)
+            v_scale = tl.load(vs_at, mask=in_ctx, other=0.0)
         if F16_PRODUCTS:
             # e4m3 widens to f16 exactly, two values an instruction: keys and values enter the
             # products as stored, the keys' scales multiply the scores and the values' scales the
@@ -389,6 +411,7 @@ def paged_decode(
     kv_scale: torch.Tensor | None = None,
     selection: tuple[torch.Tensor, torch.Tensor] | None = None,
     key_summary: torch.Tensor | None = None,
+    host: tuple[torch.Tensor, torch.Tensor | None, int] | None = None,
 ) -> torch.Tensor:
     """Decode attention over the paged cache; returns (or fills) out [num_seqs, num_heads, head_dim].
 
@@ -401,6 +424,11 @@ def paged_decode(
     `decode_selection`: a sequence of length > 0 attends over its chosen blocks and its current one. key_summary
     [2, num_blocks, num_kv_heads, head_dim], contiguous: the step's keys are folded into it as
     they are stored.
+    host: (host_cache [2, host_blocks, block_size, num_kv_heads, head_dim], its scales [2,
+    host_blocks, num_kv_heads, block_size] or None, first), strided by host block
+    (`HostKVPool.layer_views`; pinned host memory on CUDA): block-table entries at or past `first`
+    (the pool's block count, scratch blocks aside) name host block entry - first, read in place. The
+    step's own slot is in the device pool.
     """
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
@@ -427,6 +455,11 @@ def paged_decode(
     chosen, chosen_lens = selection or (block_tables[:, None, :], seq_lens)  # unread without SELECT
     assert key_summary is None or key_summary.is_contiguous()
     summary = kv_cache if key_summary is None else key_summary  # unread without SUMMARY
+    host_cache, host_scale, first_host_id = host or (kv_cache, None, kv_cache.shape[1])  # unread without HOST
+    assert host_cache.stride()[2:] == kv_cache.stride()[2:] and host_cache.dtype == kv_cache.dtype
+    host_scales = scales if host_scale is None else (host_scale[0], host_scale[1])
+    assert host_scale is None or host_scale.stride()[2:] == kv_scale.stride()[2:]
+    assert (host_scale is None) == (kv_scale is None or host is None)
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
         query, kv_cache[0], kv_cache[1], *scales, block_tables, seq_lens, out, part_o, part_ml, counters,
         new_k, new_v, slots, chosen, chosen_lens, summary, chosen.stride(0), chosen.stride(1),
@@ -437,12 +470,15 @@ def paged_decode(
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), num_kv_heads,
         block_tables.stride(0),
         group, head_dim, splits,
+        host_cache[0], host_cache[1], *host_scales, first_host_id, host_cache.stride(1),
+        host_scales[0].stride(0),
         BLOCK_SIZE=block_size, BLOCK_G=pow2(group), BLOCK_D=block_d, BLOCK_N=block_n,
         USE_SOFTCAP=softcap is not None, USE_WINDOW=sliding_window is not None,
         SPLIT=splits > 1, PRECISION=dot_precision(query.dtype),
         BLOCK_S=block_s, MERGE_ROWS=merge_rows, WRITE=step_kv is not None, SCALED=kv_scale is not None,
         SELECT=selection is not None, SUMMARY=step_kv is not None and key_summary is not None,
         F16_PRODUCTS=kv_scale is not None and query.dtype != torch.float32,
+        HOST=host is not None,
         **pdl(query),
     )  # fmt: skip
     return out

@@ -47,11 +47,34 @@ def write_kv(
         kv_scale[i][slots // block_size, :, slots % block_size] = scale
 
 
+def with_host_blocks(
+    kv_cache: torch.Tensor,
+    kv_scale: torch.Tensor | None,
+    host: tuple[torch.Tensor, torch.Tensor | None, int],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The device pool and the host blocks (`paged_decode`'s `host`) as one pool, host blocks after
+    the device's: what a block table naming host blocks reads (copied, for clarity)."""
+    host_cache, host_scale, first = host
+    assert first == kv_cache.shape[1], "the twin joins pools without scratch blocks between them"
+    # As bytes: torch's CPU cat does not take float8 tensors.
+    joined = torch.cat([kv_cache.view(torch.uint8), host_cache.view(torch.uint8)], dim=1).view(kv_cache.dtype)
+    if kv_scale is None:
+        return joined, None
+    return joined, torch.cat([kv_scale, host_scale], dim=1)
+
+
 def gather_kv(
-    kv_cache: torch.Tensor, block_table: torch.Tensor, length: int, kv_scale: torch.Tensor | None = None
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    length: int,
+    kv_scale: torch.Tensor | None = None,
+    host: tuple[torch.Tensor, torch.Tensor | None, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The first `length` keys and values of one sequence, each [length, num_kv_heads, head_dim]:
-    in the cache's dtype, or from an fp8 cache (kv_scale given) dequantized to float32."""
+    in the cache's dtype, or from an fp8 cache (kv_scale given) dequantized to float32. With
+    `host`, table entries past the pool's blocks name host blocks (`with_host_blocks`)."""
+    if host is not None:
+        kv_cache, kv_scale = with_host_blocks(kv_cache, kv_scale, host)
     block_size = kv_cache.shape[2]
     pos = torch.arange(length, device=kv_cache.device)
     slots = block_table[pos // block_size].long() * block_size + pos % block_size
@@ -208,16 +231,18 @@ def paged_attention(
     softcap: float | None = None,
     upcast: bool = True,
     kv_scale: torch.Tensor | None = None,
+    host: tuple[torch.Tensor, torch.Tensor | None, int] | None = None,
 ) -> torch.Tensor:
     """Variable-length attention over the paged cache: prefill chunks, prefix hits and decode alike
-    (an fp8 cache with kv_scale: its keys and values dequantized, as `gather_kv` gives them)."""
+    (an fp8 cache with kv_scale: its keys and values dequantized, as `gather_kv` gives them; with
+    `host`, host blocks read as `gather_kv` reads them)."""
     out = torch.zeros_like(query)
     starts = query_start_loc.tolist()
     for i, seq_len in enumerate(seq_lens.tolist()):
         lo, hi = starts[i], starts[i + 1]
         if hi == lo:
             continue
-        k, v = gather_kv(kv_cache, block_tables[i], seq_len, kv_scale)
+        k, v = gather_kv(kv_cache, block_tables[i], seq_len, kv_scale, host)
         mask = causal_mask(hi - lo, seq_len, sliding_window, query.device)
         out[lo:hi] = masked_attention(query[lo:hi], k, v, mask, scale, softcap, upcast)
     return out
@@ -233,9 +258,11 @@ def selected_decode(
     scale: float,
     softcap: float | None = None,
     kv_scale: torch.Tensor | None = None,
+    host: tuple[torch.Tensor, torch.Tensor | None, int] | None = None,
 ) -> torch.Tensor:
     """Selective decode (`kernels/decode_selection.py`): each KV head's query heads attend over
-    the keys of that head's chosen blocks and the current block, as if they were the context."""
+    the keys of that head's chosen blocks and the current block, as if they were the context
+    (`host`: as `gather_kv` reads it)."""
     out = torch.zeros_like(query)
     num_kv, block_size = kv_cache.shape[3], kv_cache.shape[2]
     group = query.shape[1] // num_kv
@@ -247,7 +274,7 @@ def selected_decode(
                 if kept > 0
                 else (block_tables[s], n)
             )
-            k, v = gather_kv(kv_cache, table, length, kv_scale)
+            k, v = gather_kv(kv_cache, table, length, kv_scale, host)
             heads = slice(h * group, (h + 1) * group)
             allowed = torch.ones(1, length, dtype=torch.bool, device=query.device)
             out[s, heads] = masked_attention(query[s : s + 1, heads], k[:, h : h + 1], v[:, h : h + 1], allowed,

@@ -132,6 +132,11 @@ def _host_tier_metrics(stats: EngineStats) -> Iterator[Metric]:
         "Preempted requests whose KV went to the host tier instead of being recomputed",
         stats.host_swapped_out_requests,
     )
+    yield _counter(
+        "tgserve_kv_host_spilled_blocks",
+        "KV blocks of running requests whose context outgrew the KV pool, moved to the host tier and read there",
+        stats.host_spilled_blocks,
+    )
 
 
 def _step_metrics(durations: list[StepDurations]) -> Iterator[Metric]:

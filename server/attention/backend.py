@@ -20,6 +20,18 @@ from tgserve.server.kv_cache.spec import KVCacheSpec
 
 
 @dataclass(frozen=True)
+class HostBlocks:
+    """A layer's blocks in the host tier (`HostKVPool.layer_views`), read where they lie by a
+    backend that `reads_host_blocks`: block ids from `first` (the pool's block count) on name host
+    block id - first (the long-context tier, `BlockManager.spill`)."""
+
+    first: int
+    cache: torch.Tensor  # [2, host_blocks, block_size, num_kv_heads, head_dim], strided by block
+    scale: torch.Tensor | None = None  # an fp8 cache's scales, [2, host_blocks, num_kv_heads, block_size]
+    summary: torch.Tensor | None = None  # key summaries, [2, host_blocks, num_kv_heads, head_dim]
+
+
+@dataclass
 class AttentionLayerParams:
     """What a layer tells the backend beyond its tensors."""
 
@@ -38,6 +50,7 @@ class AttentionLayerParams:
     # allocating it (a whole long prompt's attention writes over the layer's normed input, dead by
     # then: 8 GiB at a million tokens of Llama-3-8B). A backend that cannot returns a new tensor.
     out: torch.Tensor | None = None
+    host: HostBlocks | None = None  # the layer's blocks in the host tier, where requests spill there
 
 
 @dataclass
@@ -63,6 +76,9 @@ class AttentionBackend(ABC, Generic[Plan]):
     shape_only: bool = False
     # True when the backend writes and reads an fp8 KV cache (AttentionLayerParams.kv_scale).
     reads_fp8_kv: bool = False
+    # True when the backend reads blocks spilled to the host tier where they lie
+    # (AttentionLayerParams.host): requests whose context outgrows the pool may then spill.
+    reads_host_blocks: bool = False
     # Selective decode attention (kernels/decode_selection.py), given to the backends that run it
     # (cpu and cuda; the shard keeps decode dense on the others).
     selection: DecodeSelection | None = None

@@ -16,7 +16,7 @@ from tgserve.kernels import dispatch
 from tgserve.kernels.decode_selection import DecodeSelection, chosen_mask
 from tgserve.kernels.fp8_format import dequantize_kv
 from tgserve.kernels.reference import causal_mask, gather_kv, masked_attention, update_key_summaries, write_kv
-from tgserve.server.attention.backend import AttentionBackend, AttentionLayerParams, StepPlan
+from tgserve.server.attention.backend import AttentionBackend, AttentionLayerParams, HostBlocks, StepPlan
 from tgserve.server.attention.metadata import AttentionMetadata
 
 
@@ -122,30 +122,74 @@ def decode_mask(group: DecodeGroup, block_size: int, sliding_window: int | None)
     return group.masks[sliding_window]
 
 
+def block_rows(
+    pool: torch.Tensor, host_pool: torch.Tensor | None, first: int, ids: torch.Tensor
+) -> torch.Tensor:
+    """Rows `ids` of `pool` [blocks, ...] (index_select along dim 0: a row memcpy), ids from
+    `first` on taken from `host_pool` (the same layout, strided by host block) instead."""
+    if host_pool is None:
+        return pool.index_select(0, ids)
+    on_host = ids >= first
+    rows = pool.index_select(0, torch.where(on_host, 0, ids))
+    if on_host.any():
+        rows[on_host] = host_pool.index_select(0, ids[on_host] - first)
+    return rows
+
+
+def _side(tensor: torch.Tensor | None, i: int, as_bytes: bool) -> torch.Tensor | None:
+    """Side i (keys 0, values 1) of a pool tensor [2, blocks, ...], as bytes for an fp8 cache
+    (torch's CPU indexing ops do not take float8 tensors)."""
+    if tensor is None:
+        return None
+    return tensor[i].view(torch.uint8) if as_bytes else tensor[i]
+
+
+def paged_blocks(
+    kv_cache: torch.Tensor, kv_scale: torch.Tensor | None, host: HostBlocks | None, ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [len(ids) * block_size, H_kv, D] of blocks `ids` (host blocks among them
+    read from the host tier), dequantized to float32 from an fp8 cache."""
+    fp8, first = kv_scale is not None, kv_cache.shape[1] if host is None else host.first
+    out = []
+    for i in (0, 1):
+        pool, host_pool = _side(kv_cache, i, fp8), _side(None if host is None else host.cache, i, fp8)
+        rows = block_rows(pool.flatten(1), None if host_pool is None else host_pool.flatten(1), first, ids)
+        values = rows.view(ids.shape[0] * kv_cache.shape[2], *kv_cache.shape[3:])
+        if fp8:
+            scales = block_rows(kv_scale[i], None if host is None else host.scale[i], first, ids)
+            values = dequantize_kv(
+                values.view(kv_cache.dtype), scales.transpose(1, 2).reshape(-1, scales.shape[1])
+            )
+        out.append(values)
+    return out[0], out[1]
+
+
 def gathered_blocks(
-    kv_cache: torch.Tensor, kv_scale: torch.Tensor | None, group: DecodeGroup
+    kv_cache: torch.Tensor, kv_scale: torch.Tensor | None, group: DecodeGroup, host: HostBlocks | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The group's keys and values [B, L, H_kv, D], L = num_blocks * block_size: whole blocks
     gathered as rows of a 2D view, no per-token slots (index_select along dim 0 of a 2D tensor is a
     row memcpy, 15 GB/s on two cores; along dim 1 of the [2, blocks, -1] view it ran at 2.8 GB/s).
-    From an fp8 cache they come dequantized, in float32."""
+    From an fp8 cache they come dequantized, in float32; blocks spilled to host from `host`."""
     batch = group.query_pos.shape[0]
-    length = group.num_blocks * kv_cache.shape[2]
+    keys, values = paged_blocks(kv_cache, kv_scale, host, group.block_ids)
+    return keys.view(batch, -1, *keys.shape[1:]), values.view(batch, -1, *values.shape[1:])
 
-    def gather(pool: torch.Tensor) -> torch.Tensor:
-        rows = pool.view(pool.shape[0], -1).index_select(0, group.block_ids)
-        return rows.view(batch, length, *pool.shape[2:])
 
-    def gather_scales(scales: torch.Tensor) -> torch.Tensor:  # [num_blocks, H_kv, block_size] -> [B, L, H_kv]
-        rows = scales.index_select(0, group.block_ids).view(batch, group.num_blocks, *scales.shape[1:])
-        return rows.transpose(2, 3).reshape(batch, length, scales.shape[1])
-
-    if kv_scale is None:
-        return gather(kv_cache[0]), gather(kv_cache[1])
-    as_bytes = kv_cache.view(torch.uint8)  # torch's CPU indexing ops do not take float8 tensors
-    return tuple(
-        dequantize_kv(gather(as_bytes[i]).view(kv_cache.dtype), gather_scales(kv_scale[i])) for i in (0, 1)
-    )
+def sequence_kv(
+    kv_cache: torch.Tensor,
+    kv_scale: torch.Tensor | None,
+    host: HostBlocks | None,
+    table: torch.Tensor,
+    length: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's first `length` keys and values (`reference.gather_kv`, host blocks read in
+    place)."""
+    if host is None:
+        return gather_kv(kv_cache, table, length, kv_scale)
+    ids = table[: -(-length // kv_cache.shape[2])].long()
+    keys, values = paged_blocks(kv_cache, kv_scale, host, ids)
+    return keys[:length], values[:length]
 
 
 def chosen_positions(
@@ -162,11 +206,29 @@ def chosen_positions(
     batch, num_blocks, block_size = group.query_pos.shape[0], group.num_blocks, kv_cache.shape[2]
     tables = group.block_ids.view(batch, num_blocks)
     seq_lens = group.query_pos[:, 0] + 1
-    chosen = dispatch.select_decode_blocks(query, layer.key_summary, tables, seq_lens, selection, kv_cache,
-                                           layer.kv_scale)  # fmt: skip
+    summary, cache, scale = layer.key_summary, kv_cache, layer.kv_scale
+    if layer.host is not None:  # blocks on host among them: select over the group's own blocks
+        summary, cache, scale, tables = _group_blocks(kv_cache, group, layer)
+    chosen = dispatch.select_decode_blocks(query, summary, tables, seq_lens, selection, cache, scale)
     keep = chosen_mask(chosen, seq_lens, num_blocks, block_size) | ~group.selected[:, None, None]
     group_size = query.shape[1] // keep.shape[1]
     return keep.repeat_interleave(group_size, 1).repeat_interleave(block_size, 2)[:, :, None, :]
+
+
+def _group_blocks(
+    kv_cache: torch.Tensor, group: DecodeGroup, layer: AttentionLayerParams
+) -> tuple[torch.Tensor, torch.Tensor, None, torch.Tensor]:
+    """The group's blocks as a pool of their own (key summaries, keys and values, dequantized from
+    an fp8 cache) and the tables that read it, block-table columns unchanged: selection over
+    blocks some of which lie in the host tier."""
+    host, ids = layer.host, group.block_ids
+    summary = torch.stack(
+        [block_rows(layer.key_summary[i], host.summary[i], host.first, ids) for i in (0, 1)]
+    )
+    keys, values = paged_blocks(kv_cache, layer.kv_scale, host, ids)
+    cache = torch.stack([keys, values]).view(2, ids.shape[0], *kv_cache.shape[2:])
+    tables = torch.arange(ids.shape[0], dtype=torch.int32, device=ids.device).view(-1, group.num_blocks)
+    return summary, cache, None, tables
 
 
 def decode_attention(
@@ -180,7 +242,7 @@ def decode_attention(
     (and, selecting, masked to the chosen blocks)."""
     batch, num_heads, dim = query.shape
     block_size = kv_cache.shape[2]
-    keys, values = gathered_blocks(kv_cache, layer.kv_scale, group)
+    keys, values = gathered_blocks(kv_cache, layer.kv_scale, group, layer.host)
     allowed = decode_mask(group, block_size, layer.spec.sliding_window)
     if group.selected is not None and layer.key_summary is not None:
         allowed = allowed & chosen_positions(query, kv_cache, group, layer, selection)
@@ -210,6 +272,7 @@ class CpuAttentionBackend(AttentionBackend[CpuStepPlan]):
 
     name = "cpu"
     reads_fp8_kv = True
+    reads_host_blocks = True
 
     def __init__(self, selection: DecodeSelection | None = None) -> None:
         self.selection = selection
@@ -238,7 +301,7 @@ class CpuAttentionBackend(AttentionBackend[CpuStepPlan]):
             if fresh:
                 k, v = key[begin:end], value[begin:end]
             else:
-                k, v = gather_kv(kv_cache, metadata.block_tables[i], seq_len, layer.kv_scale)
+                k, v = sequence_kv(kv_cache, layer.kv_scale, layer.host, metadata.block_tables[i], seq_len)
             if fresh and window is None:
                 allowed = None
             elif (i, window) in plan.prefill_masks:

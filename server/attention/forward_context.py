@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tgserve.server.attention.backend import AttentionBackend, AttentionLayerParams, StepPlan
+from tgserve.server.attention.backend import AttentionBackend, AttentionLayerParams, HostBlocks, StepPlan
 from tgserve.server.attention.metadata import AttentionMetadata
 from tgserve.server.kv_cache.spec import KVCacheSpec
 
@@ -29,12 +29,16 @@ class ForwardContext:
     specs: list[KVCacheSpec]
     kv_scales: list[torch.Tensor | None] = field(default_factory=list)
     key_summaries: list[torch.Tensor | None] = field(default_factory=list)  # selective decode's, per layer
+    host_blocks: list[HostBlocks | None] = field(default_factory=list)  # the long-context tier's, per layer
 
     def kv_scale(self, layer_idx: int) -> torch.Tensor | None:
         return self.kv_scales[layer_idx] if self.kv_scales else None
 
     def key_summary(self, layer_idx: int) -> torch.Tensor | None:
         return self.key_summaries[layer_idx] if self.key_summaries else None
+
+    def host(self, layer_idx: int) -> HostBlocks | None:
+        return self.host_blocks[layer_idx] if self.host_blocks else None
 
     @property
     def metadata(self) -> AttentionMetadata:
@@ -76,7 +80,7 @@ def paged_attention(
     buffer the backend may write the output into (`AttentionLayerParams.out`)."""
     ctx = get_forward_context()
     layer = AttentionLayerParams(ctx.specs[layer_idx], scale, softcap, layer_idx, ctx.kv_scale(layer_idx),
-                                 ctx.key_summary(layer_idx), out)  # fmt: skip
+                                 ctx.key_summary(layer_idx), out, ctx.host(layer_idx))  # fmt: skip
     cache = ctx.kv_caches[layer_idx]
     if rows is None:
         return ctx.backend.forward(query, key, value, cache, ctx.plan, layer)

@@ -24,6 +24,9 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     whole_prompt_tokens: int | None = None
     num_host_blocks: int = 0  # the host tier of the prefix cache (core/host_tier.py); 0: off
+    # The long-context tier: (first, last) blocks of a request kept on the device while its cold
+    # ones move to the host tier (`BlockManager.spill`); None: off (the backend reads no host blocks).
+    spill_keep: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size", "num_blocks"):

@@ -3,6 +3,11 @@
 Plain Python over `Request` objects; the tensors live in the model runner, which only ever sees
 block ids. Block 0 is an ordinary block: nothing here needs a reserved "null" block, and a runner
 that wants a scratch block for padded (CUDA-graph) slots uses slot -1 or sizes its pool one larger.
+
+The long-context tier (`spill`): a request whose context outgrows the device pool moves its cold
+blocks (not its first, attention's sink, nor its last, the recent window it writes into) to host
+blocks held for it. Its block list then names them as `num_total_blocks + host block`, ids past the
+device pool's, which the attention backend reads in place (`HostKVPool.layer_views`).
 """
 
 from __future__ import annotations
@@ -55,7 +60,10 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         host_tier: HostTier | None = None,
+        spill_keep: tuple[int, int] | None = None,
     ) -> None:
+        """spill_keep: (first, last) blocks of a request that `spill` never moves to host; None:
+        requests never spill (the attention backend cannot read host blocks)."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
         self.block_size = block_size
@@ -79,6 +87,8 @@ class BlockManager:
         self.host_tier = host_tier if enable_prefix_caching else None
         self.host_hits = 0  # prompt tokens loaded from the host tier instead of computed
         self._swapped: dict[str, list[int]] = {}  # request id -> the host blocks holding its KV
+        self.spill_keep = spill_keep if self.host_tier is not None else None
+        self._moved: dict[str, list[tuple[int, int]]] = {}  # spilled since the last step: (index, new id)
 
     def reset_counters(self) -> None:
         """Zero the prefix cache's lookup counts (the cache's contents stay)."""
@@ -107,8 +117,10 @@ class BlockManager:
 
     @property
     def max_tokens_in_pool(self) -> int:
-        """The most tokens one request can ever hold: a longer prompt must be rejected up front."""
-        return self.num_total_blocks * self.block_size
+        """The most tokens one request can ever hold: a longer prompt must be rejected up front.
+        Spilling, the host tier's blocks count too (all of them: cached prefixes give way)."""
+        host = self.host_tier.capacity if self.spill_keep is not None else 0
+        return (self.num_total_blocks + host) * self.block_size
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's blocks in token order (a copy; empty for an unknown request)."""
@@ -185,6 +197,8 @@ class BlockManager:
             return
         hashes = self._block_hashes(request, num_full)
         for i in range(start, num_full):
+            if block_ids[i] >= len(self._blocks):
+                continue  # spilled to host: out of the device prefix cache
             block = self._blocks[block_ids[i]]
             # Two requests that computed the same prefix at once hold equal blocks; the first one
             # registered stays the cached copy and the other is simply not findable.
@@ -266,9 +280,10 @@ class BlockManager:
     def swap_out(self, request: Request) -> bool:
         """Preemption without recomputation: copy the request's blocks to host blocks held for it
         (this step, before anything overwrites them) and free them here. False, changing nothing,
-        without a host tier that can hold them all."""
+        without a host tier that can hold them all, or for a request with blocks spilled to host."""
         blocks = self._req_blocks.get(request.request_id, [])
-        held = None if self.host_tier is None or not blocks else self.host_tier.hold(blocks)
+        spilled = any(block_id >= len(self._blocks) for block_id in blocks)
+        held = None if self.host_tier is None or not blocks or spilled else self.host_tier.hold(blocks)
         if held is None:
             return False
         self.free(request)
@@ -294,6 +309,47 @@ class BlockManager:
         self._lookups_counted.add(request.request_id)  # counted when it was first admitted
         return blocks
 
+    # ---- the long-context tier -------------------------------------------------------------------
+
+    def spill(self, request: Request, count: int) -> bool:
+        """Move `count` of the request's oldest cold blocks (full, computed, its own alone, not
+        among the first and last `spill_keep`) to host blocks held for it, freeing their device
+        blocks for its next tokens; the copies run before the step's forward, ahead of anything
+        that writes the freed blocks. False, changing nothing, when spilling is off or the request
+        or the host tier lacks that many."""
+        if self.spill_keep is None or count <= 0:
+            return False
+        first, last = self.spill_keep
+        owned = self._req_blocks.get(request.request_id, [])
+        num_full = min(request.num_computed_tokens // self.block_size, len(owned) - last)
+        cold = [
+            i
+            for i in range(first, num_full)
+            if owned[i] < len(self._blocks) and self._blocks[owned[i]].ref_count == 1
+        ]
+        if len(cold) < count:
+            return False
+        chosen = cold[:count]
+        held = self.host_tier.hold([owned[i] for i in chosen], swap=False)
+        if held is None:
+            return False
+        moved = self._moved.setdefault(request.request_id, [])
+        for i, host_block in zip(chosen, held, strict=True):
+            block = self._blocks[owned[i]]
+            if block.block_hash is not None:  # its KV leaves the device: no longer a cached prefix
+                del self._hash_to_block[block.block_hash]
+                block.block_hash = None
+            block.ref_count = 0
+            self._free[block.block_id] = None
+            self._free.move_to_end(block.block_id, last=False)  # reused first: it holds nothing now
+            owned[i] = len(self._blocks) + host_block
+            moved.append((i, owned[i]))
+        return True
+
+    def take_moved(self, request_id: str) -> list[tuple[int, int]]:
+        """The request's blocks spilled since the last call: (index in its block list, new id)."""
+        return self._moved.pop(request_id, [])
+
     def free(self, request: Request) -> None:
         """Drop the request's references; blocks nobody else owns go back to the free list.
 
@@ -304,10 +360,16 @@ class BlockManager:
         request_id = request.request_id
         if request_id in self._swapped:
             self.host_tier.release(self._swapped.pop(request_id))
+        self._moved.pop(request_id, None)
         # Lookups bound once: a 128K-token prompt frees 8,192 blocks on its way to its only token.
         blocks, free_list = self._blocks, self._free
         to_front = free_list.move_to_end
-        for block_id in reversed(self._req_blocks.pop(request_id, [])):
+        owned = self._req_blocks.pop(request_id, [])
+        if spilled := [b - len(blocks) for b in owned if b >= len(blocks)]:
+            self.host_tier.release(spilled)
+        for block_id in reversed(owned):
+            if block_id >= len(blocks):
+                continue
             block = blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:

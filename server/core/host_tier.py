@@ -15,6 +15,10 @@ step (it would be overwritten before it is read).
 A preempted request can also be swapped out here instead of recomputed later: its blocks are
 held for it (`hold`: out of the cache, never evicted) until it is swapped back in or ends, and
 given back at the end of that step (`release`), once its loads have read them.
+
+The long-context tier holds blocks the same way for a running request whose context outgrows the
+device pool: its cold blocks move here (`BlockManager.spill`) and attention reads them where they
+lie, through block-table entries past the device pool's blocks.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ class HostTierCounters:
     loaded_blocks: int = 0
     evicted_blocks: int = 0
     swapped_out_requests: int = 0
+    spilled_blocks: int = 0  # running requests' cold blocks moved to host (the long-context tier)
 
 
 class HostTier:
@@ -112,9 +117,10 @@ class HostTier:
         """Keep these host blocks from this step's offloads: loads of them are about to be planned."""
         self._reading.update(host_blocks)
 
-    def hold(self, device_blocks: list[int]) -> list[int] | None:
-        """Copy a preempted request's blocks to host blocks held for it (evicting cached ones as
-        needed), or None, changing nothing, when the tier cannot give that many."""
+    def hold(self, device_blocks: list[int], swap: bool = True) -> list[int] | None:
+        """Copy a preempted request's blocks (`swap`), or a running request's cold blocks (the
+        long-context tier), to host blocks held for it (evicting cached ones as needed), or None,
+        changing nothing, when the tier cannot give that many."""
         available = len(self._free) + sum(1 for b in self._by_hash.values() if b not in self._reading)
         if len(device_blocks) > available:
             return None
@@ -123,7 +129,10 @@ class HostTier:
             self._offloads[host_block] = device_block
         self.num_held_blocks += len(held)
         self.counters.offloaded_blocks += len(held)
-        self.counters.swapped_out_requests += 1
+        if swap:
+            self.counters.swapped_out_requests += 1
+        else:
+            self.counters.spilled_blocks += len(held)
         return held
 
     def load_held(self, host_blocks: list[int], device_blocks: list[int]) -> None:

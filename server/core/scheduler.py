@@ -65,7 +65,7 @@ class Scheduler:
         # Its host memory may still be being allocated: the engine adds blocks as they are ready.
         host_tier = HostTier(config.num_host_blocks, ready=0) if config.num_host_blocks else None
         self.block_manager = block_manager or BlockManager(
-            config.num_blocks, config.block_size, config.enable_prefix_caching, host_tier
+            config.num_blocks, config.block_size, config.enable_prefix_caching, host_tier, config.spill_keep
         )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is the newest
@@ -208,7 +208,10 @@ class Scheduler:
             new_blocks = self._allocate_or_preempt(request, num_new, plan)
             if new_blocks is None:
                 break  # it preempted itself: it was the newest, nothing runs after it
-            plan.cached.append(CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens))
+            moved = self.block_manager.take_moved(request.request_id)
+            plan.cached.append(
+                CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens, moved)
+            )
             plan.add(request, num_new)
 
     def _may_finish_on_pending(self, request: Request) -> bool:
@@ -223,16 +226,23 @@ class Scheduler:
         """Blocks for `request`, preempting the newest running requests until they fit.
 
         A request finishing on its tokens in flight holds no blocks, so preempting it would free
-        nothing: victims are the newest of the others (`request` itself at the latest).
+        nothing: victims are the newest of the others (`request` itself at the latest). Rather than
+        preempt itself, a request spills its own cold blocks to the host tier where it can.
         Returns None when `request` itself had to be preempted.
         """
+        bm = self.block_manager
         while True:
-            new_blocks = self.block_manager.allocate_slots(request, num_new)
+            new_blocks = bm.allocate_slots(request, num_new)
             if new_blocks is not None:
                 return new_blocks
             newest = len(self.running) - 1
             while self._may_finish_on_pending(self.running[newest]):
                 newest -= 1
+            if self.running[newest] is request:
+                owned = len(bm.get_block_ids(request.request_id))
+                short = bm.num_blocks_for(request.num_computed_tokens + num_new) - owned - bm.num_free_blocks
+                if bm.spill(request, short):
+                    continue
             victim = self.running.pop(newest)
             self._preempt(victim)
             plan.preempted.add(victim.request_id)
@@ -395,4 +405,5 @@ def _host_tier_stats(bm: BlockManager) -> dict[str, int]:
         "host_loaded_blocks": tier.counters.loaded_blocks,
         "host_evicted_blocks": tier.counters.evicted_blocks,
         "host_swapped_out_requests": tier.counters.swapped_out_requests,
+        "host_spilled_blocks": tier.counters.spilled_blocks,
     }

@@ -30,11 +30,13 @@ class NewRequestData:
 
 @dataclass(frozen=True)
 class CachedRequestData:
-    """A running request: blocks added since the last step and where its computation stands."""
+    """A running request: blocks added since the last step and where its computation stands;
+    moved_blocks: (index in its block list, new id) of blocks spilled to the host tier this step."""
 
     request_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    moved_blocks: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

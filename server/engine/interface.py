@@ -29,6 +29,9 @@ class Engine(Protocol):
     dtype: torch.dtype
     kv_cache_dtype: torch.dtype  # what its KV cache stores (the model's dtype, or fp8)
     max_model_len: int
+    max_pool_tokens: (
+        int  # the most tokens one request's KV can take (the pool's, and any host tier's it spills to)
+    )
     vocab_size: int
     eos_token_ids: frozenset[int]
 

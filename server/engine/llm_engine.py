@@ -71,6 +71,7 @@ class LLMEngine:
                 enable_prefix_caching=args.enable_prefix_caching,
                 whole_prompt_tokens=self.shard.whole_prompt_tokens,
                 num_host_blocks=self.shard.num_host_blocks,
+                spill_keep=self.shard.spill_keep,
             )
         )
         self._grow_host_tier()
@@ -92,8 +93,14 @@ class LLMEngine:
             self.num_blocks,
             args.block_size,
             self.kv_cache_dtype_name,
-            min(self.max_model_len, self.num_blocks * args.block_size),
+            min(self.max_model_len, self.max_pool_tokens),
         )
+
+    @property
+    def max_pool_tokens(self) -> int:
+        """The most tokens one request's KV can take: the pool's, and where requests spill to the
+        host tier (the long-context tier), the host tier's too."""
+        return self.scheduler.max_tokens_in_pool
 
     @property
     def kv_cache_dtype(self) -> torch.dtype:
@@ -152,7 +159,7 @@ class LLMEngine:
                 f"prompt has {len(prompt)} tokens but the model's context is {self.max_model_len} tokens: "
                 f"at most {self.max_model_len - 1} prompt tokens leave room for one new token"
             )
-        capacity = self.num_blocks * self.args.block_size
+        capacity = self.max_pool_tokens
         if len(prompt) + 1 > capacity:
             raise InvalidRequestError(
                 f"prompt has {len(prompt)} tokens but the KV cache holds at most {capacity} tokens "

@@ -268,6 +268,8 @@ class ModelShard:
         self.forward.allocate_pool(pool, self.args.block_size, self.device)
         if self.num_host_blocks:
             self.host_pool = HostKVPool(self.forward.block_tensors(), self.num_host_blocks, self.device)
+            if self.spill_keep is not None:
+                self.forward.attach_host_tier(self.host_pool.layer_views(), num_blocks)
         executor = self._choose_executor()
         if self.static_executor is not None and self.buckets.warmup:
             self.static_executor.warm_up(self.args.block_size, self.device)
@@ -288,6 +290,19 @@ class ModelShard:
         """Bytes of one KV block across every layer and shard: what the host tier holds a block in."""
         per_shard = sum(spec.bytes_per_block(self.args.block_size) for spec in self.specs)
         return per_shard * self.args.tensor_parallel_size
+
+    @property
+    def spill_keep(self) -> tuple[int, int] | None:
+        """The long-context tier: the (first, last) blocks a request keeps in the pool when its
+        cold ones spill to the host tier (the attention sink and the recent window selective decode
+        always reads, the current block among them); None where there is no host tier or the
+        backend cannot read host blocks in place."""
+        if not self.num_host_blocks or not self.backend.reads_host_blocks:
+            return None
+        if self.selection is None:
+            return 1, 2
+        block_size = self.args.block_size
+        return self.selection.sink_blocks(block_size), self.selection.recent_blocks(block_size) + 1
 
     @property
     def num_host_blocks(self) -> int:

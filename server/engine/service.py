@@ -62,7 +62,7 @@ def save_tokenizer(engine: Engine, directory: str | None) -> str:
 def ready_message(engine: Engine, tokenizer_dir: str) -> p.EngineReady:
     """Describe the loaded engine to the router."""
     stats = engine.stats()
-    pool_tokens = int(stats.num_total_blocks) * int(engine.args.block_size)
+    pool_tokens = int(engine.max_pool_tokens)
     return p.EngineReady(
         model_id=str(engine.model_id),
         max_model_len=int(engine.max_model_len),

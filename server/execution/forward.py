@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tgserve.server.attention.backend import AttentionBackend
+from tgserve.server.attention.backend import AttentionBackend, HostBlocks
 from tgserve.server.attention.forward_context import ForwardContext, forward_context
 from tgserve.server.attention.metadata import AttentionMetadata
 from tgserve.server.kv_cache.pool import allocate_key_summaries, allocate_kv_caches, allocate_kv_scales
@@ -28,6 +28,7 @@ class ModelForward:
         self.kv_caches: list[torch.Tensor] = []
         self.kv_scales: list[torch.Tensor | None] = []  # an fp8 cache's scales, per layer
         self.key_summaries: list[torch.Tensor | None] = []  # blocks' key summaries (selective decode)
+        self.host_blocks: list[HostBlocks | None] = []  # per layer, where requests spill to host
 
     def allocate_pool(self, num_blocks: int, block_size: int, device: torch.device) -> None:
         """Every layer's KV cache of `num_blocks` blocks (and, for an fp8 cache, its scales; where
@@ -37,6 +38,23 @@ class ModelForward:
         self.kv_scales = allocate_kv_scales(self.specs, num_blocks, block_size, device)
         self.key_summaries = allocate_key_summaries(self.specs, num_blocks, device)
 
+    def attach_host_tier(self, views: list[torch.Tensor], first: int) -> None:
+        """The host tier's rows as every layer's pool tensors (`HostKVPool.layer_views`, in
+        `block_tensors` order), whose block ids start at `first`: attention reads spilled blocks
+        through them."""
+        rest = iter(views)
+        per_layer = zip(self.kv_scales or [None] * len(self.kv_caches),
+                        self.key_summaries or [None] * len(self.kv_caches), strict=True)  # fmt: skip
+        self.host_blocks = [
+            HostBlocks(
+                first,
+                next(rest),
+                None if scale is None else next(rest),
+                None if summary is None else next(rest),
+            )
+            for scale, summary in per_layer
+        ]
+
     def block_tensors(self) -> list[torch.Tensor]:
         """Every pool tensor indexed by block at dimension 1 ([2, num_blocks, ...]): what one block
         of the pool is, layer by layer (its keys and values, scales, key summaries)."""
@@ -45,7 +63,7 @@ class ModelForward:
         return [t for tensors in per_layer for t in tensors if t is not None]
 
     def release_pool(self) -> None:
-        self.kv_caches, self.kv_scales, self.key_summaries = [], [], []
+        self.kv_caches, self.kv_scales, self.key_summaries, self.host_blocks = [], [], [], []
 
     @torch.inference_mode()
     def __call__(
@@ -56,6 +74,6 @@ class ModelForward:
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
         context = ForwardContext(self.backend, self.backend.plan(metadata), self.kv_caches, self.specs,
-                                 self.kv_scales, self.key_summaries)  # fmt: skip
+                                 self.kv_scales, self.key_summaries, self.host_blocks)  # fmt: skip
         with forward_context(context):
             return self.model(input_ids, positions, logits_indices)

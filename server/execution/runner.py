@@ -197,6 +197,8 @@ class ModelRunner:
                 self.guided.add(new.request_id, new.sampling_params.guided, output)
         for cached in out.scheduled_cached_requests:
             state = self.requests[cached.request_id]
+            for index, block_id in cached.moved_blocks:  # spilled to the host tier
+                state.block_ids[index] = block_id
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 

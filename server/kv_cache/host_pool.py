@@ -9,10 +9,13 @@ side stream while the step computes; loads wait for that stream, copy to the dev
 into the pool ahead of the forward. The CPU backend runs the same code with plain copies, a second
 CPU pool standing in for host memory.
 
-Pinning tens of GiB takes seconds, so on CUDA the rows are allocated in chunks of about 1 GiB by a
-background thread while the engine starts and serves: `ready_blocks` says how many exist, the host
-tier uses only those (`HostTier.grow`), and a copy that reaches past them (a shard whose allocation
-lags rank 0's) waits for its chunk.
+The rows are one address range (`layer_views` reads a layer's blocks in it as a strided tensor
+with the pool's own layout, which a kernel can read in place: on CUDA, pinned host memory is
+device-accessible). Pinning tens of GiB takes seconds, so on CUDA the range is registered with the
+driver (`cudaHostRegister`) in chunks of about 1 GiB by a background thread while the engine starts
+and serves: `ready_blocks` says how many rows are pinned, the host tier uses only those
+(`HostTier.grow`), and a copy that reaches past them (a shard whose registration lags rank 0's)
+waits for its chunk.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from tgserve.server.device.transfer import to_device
 
 logger = logging.getLogger(__name__)
 
-CHUNK_BYTES = 1 << 30  # host memory allocated (and pinned) at a time
+CHUNK_BYTES = 1 << 30  # host memory pinned at a time
+CUDA_HOST_REGISTER_PORTABLE_MAPPED = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
 
 
 def _block_bytes_views(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -50,35 +54,52 @@ class HostKVPool:
         self.cuda = device.type == "cuda"
         self.num_blocks = num_blocks
         self.chunk_blocks = max(1, CHUNK_BYTES // self.block_bytes)
-        self._chunks: list[torch.Tensor] = []
+        # Address space only until written or pinned: the operating system commits pages on use.
+        self.rows = torch.empty(num_blocks, self.block_bytes, dtype=torch.uint8)
+        self._layouts = [(tensor.dtype, tuple(tensor.shape[2:])) for tensor in tensors]
         self._ready = threading.Condition()
-        self.ready_blocks = 0
+        self.ready_blocks = 0 if self.cuda else num_blocks
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         if self.cuda:
-            threading.Thread(target=self._allocate, name="host-kv-pool", daemon=True).start()
-        else:
-            self._allocate()
+            threading.Thread(target=self._pin, name="host-kv-pool", daemon=True).start()
 
-    def _allocate(self) -> None:
+    def _pin(self) -> None:
         start = time.perf_counter()
+        cudart = torch.cuda.cudart()
+        row = self.rows.stride(0)
         for first in range(0, self.num_blocks, self.chunk_blocks):
             count = min(self.chunk_blocks, self.num_blocks - first)
-            chunk = torch.empty(count, self.block_bytes, dtype=torch.uint8, pin_memory=self.cuda)
+            pointer = self.rows.data_ptr() + first * row
+            # Portable and mapped: every device may read the rows in place, at the host address.
+            error = cudart.cudaHostRegister(pointer, count * row, CUDA_HOST_REGISTER_PORTABLE_MAPPED)
+            if int(error) != 0:
+                logger.error("host KV tier: pinning stopped at %d of %d blocks (cuda error %d)",
+                             first, self.num_blocks, int(error))  # fmt: skip
+                return
             with self._ready:
-                self._chunks.append(chunk)
                 self.ready_blocks = first + count
                 self._ready.notify_all()
         logger.info(
-            "host KV tier: %d blocks of %.2f MiB (%.1f GiB%s) in %.1f s",
+            "host KV tier: %d blocks of %.2f MiB (%.1f GiB, pinned) in %.1f s",
             self.num_blocks,
             self.block_bytes / 2**20,
             self.num_blocks * self.block_bytes / 2**30,
-            ", pinned" if self.cuda else "",
             time.perf_counter() - start,
         )
 
     def _row(self, block: int) -> torch.Tensor:
-        return self._chunks[block // self.chunk_blocks][block % self.chunk_blocks]
+        return self.rows[block]
+
+    def layer_views(self) -> list[torch.Tensor]:
+        """Each pool tensor's blocks as they lie in the host rows: dtype and shape of the tensor,
+        [2, num_blocks, ...], strided (a block's row apart), aliasing the rows."""
+        views, offset = [], 0
+        for view, (dtype, shape) in zip(self.views, self._layouts, strict=True):
+            side = view.shape[2]
+            both = self.rows[:, offset : offset + 2 * side].view(self.num_blocks, 2, side).transpose(0, 1)
+            views.append(both.view(dtype).unflatten(2, shape))
+            offset += 2 * side
+        return views
 
     def _wait_for(self, blocks: tuple[int, ...]) -> None:
         """Until the chunks holding `blocks` are allocated."""

@@ -66,6 +66,7 @@ class StaticBatchEngine:
         self.config, self.max_model_len = described.config, described.max_model_len
         check_supported(architecture_name(self.config), args.trust_remote_code)
         self.args = dataclasses.replace(args, block_size=self.max_model_len)  # one row, one block
+        self.max_pool_tokens = self.max_model_len  # a request's row holds the model's whole length
         self.model_id = args.model or "HuggingFaceTB/SmolLM2-135M-Instruct"
         self.tokenizer = load_tokenizer(self.source, args.trust_remote_code)
         self.eos_token_ids = eos_token_ids(self.config, self.tokenizer, self.source)

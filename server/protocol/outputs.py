@@ -80,6 +80,7 @@ class EngineStats:
     host_loaded_blocks: int = 0
     host_evicted_blocks: int = 0
     host_swapped_out_requests: int = 0  # preemptions that swapped the KV out instead of dropping it
+    host_spilled_blocks: int = 0  # running requests' cold blocks moved to host (the long-context tier)
     host_block_bytes: int = 0
     step_num_tokens: int = 0  # tokens computed in the last step
     step_num_seqs: int = 0  # requests in the last step

@@ -192,3 +192,38 @@ def test_computed_blocks_only_for_fresh_requests() -> None:
 def test_invalid_sizes() -> None:
     with pytest.raises(ValueError):
         BlockManager(0, 4)
+
+
+def test_spill_moves_the_oldest_cold_blocks_to_host_and_frees_them_here():
+    """The long-context tier: a request's full, computed blocks between its first and its last
+    two go to host blocks held for it; its block list names them past the pool's blocks."""
+    from tgserve.server.core.host_tier import HostTier
+
+    bm = BlockManager(num_blocks=8, block_size=2, host_tier=HostTier(4), spill_keep=(1, 2))
+    request = Request("long", list(range(16)), SamplingParams(max_new_tokens=4))
+    bm.allocate_slots(request, 16)
+    request.num_computed_tokens = 16
+    blocks = bm.get_block_ids("long")
+    assert bm.num_free_blocks == 0 and not bm.spill(request, 6)  # only blocks 1..5 are cold
+    assert bm.spill(request, 2)
+    moved = bm.take_moved("long")
+    assert [i for i, _ in moved] == [1, 2] and [b for _, b in moved] == [8, 9]
+    assert bm.get_block_ids("long") == [blocks[0], 8, 9, *blocks[3:]]
+    assert bm.num_free_blocks == 2 and bm.take_moved("long") == []
+    transfers = bm.take_kv_transfers()
+    assert sorted(transfers.offloads) == sorted([(blocks[1], 0), (blocks[2], 1)])
+    assert bm.max_tokens_in_pool == (8 + 4) * 2
+    assert not bm.swap_out(request)  # a request with host blocks is recomputed, not swapped
+    bm.free(request)
+    bm.take_kv_transfers()  # the step after: its host blocks are free again
+    assert bm.num_free_blocks == 8 and bm.host_tier.num_held_blocks == 0
+
+
+def test_without_spill_keep_requests_never_spill():
+    from tgserve.server.core.host_tier import HostTier
+
+    bm = BlockManager(num_blocks=8, block_size=2, host_tier=HostTier(4))
+    request = Request("long", list(range(16)), SamplingParams(max_new_tokens=4))
+    bm.allocate_slots(request, 16)
+    request.num_computed_tokens = 16
+    assert not bm.spill(request, 1) and bm.max_tokens_in_pool == 16

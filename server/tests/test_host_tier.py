@@ -90,17 +90,24 @@ def test_host_pool_round_trips_every_block_tensor(dtype):
     assert torch.equal(scales[:, 5], before[1][:, 1]) and torch.equal(scales[:, 0], before[1][:, 0])
 
 
-def test_host_pool_rows_span_chunks(monkeypatch):
-    from tgserve.server.kv_cache import host_pool
-
-    cache = torch.randn(2, 8, 4, 2, 8, generator=torch.Generator().manual_seed(1))
-    monkeypatch.setattr(host_pool, "CHUNK_BYTES", 2 * 2 * 4 * 2 * 8 * 4)  # two blocks a chunk
-    pool = HostKVPool([cache], num_blocks=5, device=torch.device("cpu"))
-    assert pool.ready_blocks == 5 and len(pool._chunks) == 3
-    before = cache.clone()
-    pool.apply(KVTransfers(offloads=[(0, 4), (1, 1), (2, 2)]))
-    pool.apply(KVTransfers(loads=[(4, 7), (1, 6), (2, 5)]))
-    assert torch.equal(cache[:, [7, 6, 5]], before[:, [0, 1, 2]])
+def test_host_pool_layer_views_read_the_rows_in_the_pools_own_layout():
+    """What a kernel reads in place: each pool tensor's blocks where they lie in the host rows."""
+    gen = torch.Generator().manual_seed(1)
+    cache = torch.randn(2, 8, 4, 2, 8, generator=gen).to(torch.float8_e4m3fn)
+    scales = torch.rand(2, 8, 2, 4, generator=gen)
+    pool = HostKVPool([cache, scales], num_blocks=5, device=torch.device("cpu"))
+    pool.apply(KVTransfers(offloads=[(0, 4), (6, 1), (2, 2)]))
+    host_cache, host_scales = pool.layer_views()
+    assert host_cache.shape == (2, 5, 4, 2, 8) and host_cache.dtype == torch.float8_e4m3fn
+    assert host_scales.shape == (2, 5, 2, 4) and host_scales.dtype == torch.float32
+    for device_block, host_block in [(0, 4), (6, 1), (2, 2)]:
+        assert torch.equal(
+            host_cache.view(torch.uint8)[:, host_block], cache.view(torch.uint8)[:, device_block]
+        )
+        assert torch.equal(host_scales[:, host_block], scales[:, device_block])
+    host_scales[1, 4] = 7.0  # the views alias the rows: a load brings what they hold
+    pool.apply(KVTransfers(loads=[(4, 7)]))
+    assert (scales[1, 7] == 7.0).all()
 
 
 def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:
@@ -181,3 +188,53 @@ def test_live_kv_three_times_the_pool_completes_by_swapping(async_scheduling):
     assert stats.host_swapped_out_requests > 0 and stats.num_preemptions == stats.host_swapped_out_requests
     assert stats.num_free_blocks == stats.num_total_blocks
     assert llm.engine.scheduler.block_manager.host_tier.num_held_blocks == 0
+
+
+# ---- the long-context tier: one request larger than the pool -----------------------------------
+
+
+@pytest.mark.parametrize(
+    "kv_cache_dtype,budget",
+    [("auto", 0), ("fp8", 0), ("auto", 512), ("fp8", 128)],
+)
+def test_a_request_larger_than_the_pool_reads_its_spilled_blocks_from_host(kv_cache_dtype, budget):
+    """One request whose KV (prompt and output, 476 tokens) is 2.5x the 192-token pool: its cold
+    blocks spill to the host tier as it grows, and attention (prefill chunks, then decode: dense,
+    selecting over a budget that covers the context, or over one of 128 tokens) reads them there.
+    The tokens are those of a pool that holds it all, with the same selection; its host blocks are
+    given back when it ends."""
+    rng = random.Random(7)
+    params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+    model = str(fixture_path("llama"))
+    # The CPU backend: on CUDA only the decode kernel reads host blocks so far, and nothing spills.
+    extra = dict(device="cpu", kv_cache_dtype=kv_cache_dtype)
+    extra.update(decode_attention_budget=budget, decode_attention_min_context=64)
+    large = LLM(model, **{**POOL, "num_blocks": 128}, **extra)
+    prompt = [rng.randrange(5, large.engine.vocab_size) for _ in range(436)]
+    want = large.generate([prompt], params)[0].token_ids
+    llm = LLM(model, kv_offload_gb=HOST_GIB * 2, **POOL, **extra)
+    got = llm.generate([prompt], params)[0].token_ids
+    stats = llm.engine.stats()
+    assert got == want
+    assert stats.host_spilled_blocks >= 60 - 24 and stats.num_preemptions == 0
+    assert stats.num_free_blocks == stats.num_total_blocks
+    assert llm.engine.scheduler.block_manager.host_tier.num_held_blocks == 0
+
+
+def test_a_spilled_request_aborted_mid_decode_leaks_no_block():
+    rng = random.Random(8)
+    llm = LLM(str(fixture_path("llama")), kv_offload_gb=HOST_GIB * 2, device="cpu", **POOL)
+    engine = llm.engine
+    prompt = [rng.randrange(5, engine.vocab_size) for _ in range(300)]
+    engine.add_request("long", prompt, SamplingParams(temperature=0.0, max_new_tokens=100, ignore_eos=True))
+    while (
+        engine.stats().host_spilled_blocks == 0 or engine.scheduler.get_request("long").num_output_tokens < 3
+    ):
+        engine.step()
+    engine.abort_requests(["long"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.step()  # the step after the abort gives its host blocks back
+    stats = engine.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+    assert engine.scheduler.block_manager.host_tier.num_held_blocks == 0

@@ -1,0 +1,77 @@
+"""Decode over block tables that name host blocks (the long-context tier's read path): entries past
+the device pool's block count are host blocks, read in place from the host tier's rows
+(`HostKVPool.layer_views`; pinned host memory on CUDA). The output is the one the same blocks give
+from the device pool, bit for bit, and the twin reads them the same way."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tgserve.kernels import reference
+from tgserve.kernels.paged_decode import paged_decode
+from tgserve.kernels.testing import PagedBatch, make_paged_batch, with_fp8_cache
+from tgserve.server.core.host_tier import KVTransfers
+from tgserve.server.kv_cache.host_pool import HostKVPool
+
+
+def _moved_to_host(batch: PagedBatch, every: int) -> tuple[torch.Tensor, tuple, list[tuple[int, int]]]:
+    """Every `every`-th block of each table (the current one kept) copied to a host pool, its table
+    entry pointed there and its device copy poisoned: (the new tables, the host views, the moves)."""
+    tensors = [batch.kv_cache] + ([] if batch.kv_scale is None else [batch.kv_scale])
+    num_blocks = batch.kv_cache.shape[1]
+    tables = batch.block_tables.clone()
+    moves = []
+    for seq, length in enumerate(batch.seq_lens.tolist()):
+        current = (length - 1) // batch.kv_cache.shape[2]
+        for column in range(0, current, every):
+            moves.append((int(tables[seq, column]), len(moves)))
+            tables[seq, column] = num_blocks + moves[-1][1]
+    pool = HostKVPool(tensors, num_blocks=len(moves) + 2, device=batch.kv_cache.device)
+    pool.apply(KVTransfers(offloads=moves))
+    if batch.kv_cache.is_cuda:
+        torch.cuda.synchronize()
+    for device_block, _ in moves:  # a read of the device copy would now show
+        batch.kv_cache.view(torch.uint8)[:, device_block] = 0x7F  # NaN in e4m3, 2.0-ish elsewhere
+        if batch.kv_scale is not None:
+            batch.kv_scale[:, device_block] = float("nan")
+    views = pool.layer_views()
+    return tables, (views[0], views[1] if len(views) > 1 else None, num_blocks), moves
+
+
+@pytest.mark.parametrize("dtype,fp8", [(torch.float32, False), (torch.float16, False), (torch.float16, True)])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_reads_host_blocks_where_they_lie(device, dtype, fp8, splits):
+    seq_lens = [1, 9, 40, 77]
+    batch = make_paged_batch([1] * 4, seq_lens, 8, 2, 32, 8, dtype, device, seed=5)
+    if fp8:
+        batch = with_fp8_cache(batch)
+    args = (batch.query, batch.kv_cache, batch.block_tables, batch.seq_lens, 0.3)
+    want = paged_decode(*args, num_splits=splits, kv_scale=batch.kv_scale)
+    tables, host, moves = _moved_to_host(batch, every=2)
+    assert moves, "the batch should have blocks to move"
+    got = paged_decode(batch.query, batch.kv_cache, tables, batch.seq_lens, 0.3, num_splits=splits,
+                       kv_scale=batch.kv_scale, host=host)  # fmt: skip
+    assert torch.equal(got, want)
+    twin = reference.paged_attention(batch.query.cpu(), batch.kv_cache.cpu(), tables.cpu(),
+                                     torch.arange(5, dtype=torch.int32), batch.seq_lens.cpu(), 0.3,
+                                     kv_scale=None if batch.kv_scale is None else batch.kv_scale.cpu(),
+                                     host=(host[0].cpu(), None if host[1] is None else host[1].cpu(), host[2]))  # fmt: skip
+    assert torch.isfinite(twin).all() and (twin - want.cpu().float()).abs().max() < 5e-3
+
+
+def test_selective_decode_reads_chosen_host_blocks(device):
+    batch = make_paged_batch([1, 1], [200, 97], 8, 2, 32, 8, torch.float32, device, seed=6)
+    # Each KV head keeps three blocks of its own (block-table columns) and the current one.
+    chosen = torch.tensor([[[0, 5, 9], [2, 3, 20]], [[1, 4, 7], [0, 6, 10]]], device=device)
+    lengths = torch.tensor(
+        [3 * 8 + (200 - 1) % 8 + 1, 3 * 8 + (97 - 1) % 8 + 1], dtype=torch.int32, device=device
+    )
+    args = (batch.query, batch.kv_cache)
+    want = paged_decode(*args, batch.block_tables, batch.seq_lens, 0.3, selection=(chosen, lengths))
+    tables, host, _ = _moved_to_host(batch, every=1)  # every block but the current one on host
+    got = paged_decode(*args, tables, batch.seq_lens, 0.3, selection=(chosen, lengths), host=host)
+    assert torch.equal(got, want)
+    twin = reference.selected_decode(batch.query.cpu(), batch.kv_cache.cpu(), tables.cpu(), batch.seq_lens.cpu(),
+                                     chosen.cpu(), lengths.cpu(), 0.3, host=(host[0].cpu(), None, host[2]))  # fmt: skip
+    assert (twin - want.cpu()).abs().max() < 2e-5
