@@ -1,7 +1,7 @@
 """Decode over block tables that name host blocks (the long-context tier's read path): entries past
 the device pool's block count are host blocks, read in place from the host tier's rows
-(`HostKVPool.layer_views`; pinned host memory on CUDA). The output is the one the same blocks give
-from the device pool, bit for bit, and the twin reads them the same way."""
+(`HostKVPool.layer_views`; pinned host memory on CUDA). The output is the
+one the same blocks give from the device pool, bit for bit, and the twin reads them the same way."""
 
 from __future__ import annotations
 
@@ -11,32 +11,34 @@ import torch
 from tgserve.kernels import reference
 from tgserve.kernels.paged_decode import paged_decode
 from tgserve.kernels.testing import PagedBatch, make_paged_batch, with_fp8_cache
-from tgserve.server.core.host_tier import KVTransfers
-from tgserve.server.kv_cache.host_pool import HostKVPool
+
+
+def _host_copy(tensor: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """An empty host twin [2, num_blocks, ...] of a pool tensor, strided by block as the host tier's
+    rows are (`HostKVPool.layer_views`), pinned when the pool is on CUDA."""
+    rows = torch.empty(num_blocks, 3, *tensor.shape[2:], dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+    return rows[:, :2].transpose(0, 1)
 
 
 def _moved_to_host(batch: PagedBatch, every: int) -> tuple[torch.Tensor, tuple, list[tuple[int, int]]]:
-    """Every `every`-th block of each table (the current one kept) copied to a host pool, its table
-    entry pointed there and its device copy poisoned: (the new tables, the host views, the moves)."""
-    tensors = [batch.kv_cache] + ([] if batch.kv_scale is None else [batch.kv_scale])
-    num_blocks = batch.kv_cache.shape[1]
+    """Every `every`-th block of each table (the current one kept) copied to host blocks, its table
+    entry pointed there and its device copy poisoned: (the new tables, the host view, the moves)."""
+    num_blocks, block_size = batch.kv_cache.shape[1], batch.kv_cache.shape[2]
     tables = batch.block_tables.clone()
     moves = []
     for seq, length in enumerate(batch.seq_lens.tolist()):
-        current = (length - 1) // batch.kv_cache.shape[2]
-        for column in range(0, current, every):
+        for column in range(0, (length - 1) // block_size, every):
             moves.append((int(tables[seq, column]), len(moves)))
             tables[seq, column] = num_blocks + moves[-1][1]
-    pool = HostKVPool(tensors, num_blocks=len(moves) + 2, device=batch.kv_cache.device)
-    pool.apply(KVTransfers(offloads=moves))
-    if batch.kv_cache.is_cuda:
-        torch.cuda.synchronize()
-    for device_block, _ in moves:  # a read of the device copy would now show
-        batch.kv_cache.view(torch.uint8)[:, device_block] = 0x7F  # NaN in e4m3, 2.0-ish elsewhere
-        if batch.kv_scale is not None:
+    host_cache = _host_copy(batch.kv_cache, len(moves) + 2)
+    host_scale = None if batch.kv_scale is None else _host_copy(batch.kv_scale, len(moves) + 2)
+    for device_block, host_block in moves:
+        host_cache.view(torch.uint8)[:, host_block] = batch.kv_cache.view(torch.uint8)[:, device_block].cpu()
+        batch.kv_cache.view(torch.uint8)[:, device_block] = 0x7F  # NaN in e4m3 and f16, 3e38 in f32
+        if host_scale is not None:
+            host_scale[:, host_block] = batch.kv_scale[:, device_block].cpu()
             batch.kv_scale[:, device_block] = float("nan")
-    views = pool.layer_views()
-    return tables, (views[0], views[1] if len(views) > 1 else None, num_blocks), moves
+    return tables, (host_cache, host_scale, num_blocks), moves
 
 
 @pytest.mark.parametrize("dtype,fp8", [(torch.float32, False), (torch.float16, False), (torch.float16, True)])

@@ -9,13 +9,12 @@ side stream while the step computes; loads wait for that stream, copy to the dev
 into the pool ahead of the forward. The CPU backend runs the same code with plain copies, a second
 CPU pool standing in for host memory.
 
-The rows are one address range (`layer_views` reads a layer's blocks in it as a strided tensor
-with the pool's own layout, which a kernel can read in place: on CUDA, pinned host memory is
-device-accessible). Pinning tens of GiB takes seconds, so on CUDA the range is registered with the
-driver (`cudaHostRegister`) in chunks of about 1 GiB by a background thread while the engine starts
-and serves: `ready_blocks` says how many rows are pinned, the host tier uses only those
-(`HostTier.grow`), and a copy that reaches past them (a shard whose registration lags rank 0's)
-waits for its chunk.
+Pinning tens of GiB takes seconds, so on CUDA the rows are allocated in chunks of about 1 GiB by a
+background thread while the engine starts and serves: `ready_blocks` says how many exist, the host
+tier uses only those (`HostTier.grow`), and a copy that reaches past them (a shard whose allocation
+lags rank 0's) waits for its chunk. On the CPU the rows are one range, and `layer_views` reads a
+layer's blocks in it as a strided tensor of the pool's own layout: what the long-context tier's
+attention reads in place.
 """
 
 from __future__ import annotations
@@ -31,8 +30,7 @@ from tgserve.server.device.transfer import to_device
 
 logger = logging.getLogger(__name__)
 
-CHUNK_BYTES = 1 << 30  # host memory pinned at a time
-CUDA_HOST_REGISTER_PORTABLE_MAPPED = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
+CHUNK_BYTES = 1 << 30  # host memory allocated (and pinned) at a time
 
 
 def _block_bytes_views(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -54,49 +52,49 @@ class HostKVPool:
         self.cuda = device.type == "cuda"
         self.num_blocks = num_blocks
         self.chunk_blocks = max(1, CHUNK_BYTES // self.block_bytes)
-        # Address space only until written or pinned: the operating system commits pages on use.
-        self.rows = torch.empty(num_blocks, self.block_bytes, dtype=torch.uint8)
         self._layouts = [(tensor.dtype, tuple(tensor.shape[2:])) for tensor in tensors]
+        self._chunks: list[torch.Tensor] = []
         self._ready = threading.Condition()
-        self.ready_blocks = 0 if self.cuda else num_blocks
+        self.ready_blocks = 0
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         if self.cuda:
-            threading.Thread(target=self._pin, name="host-kv-pool", daemon=True).start()
+            threading.Thread(target=self._allocate, name="host-kv-pool", daemon=True).start()
+        else:  # one range: what `layer_views` needs (committed by the OS only as rows are written)
+            self.chunk_blocks = max(1, num_blocks)
+            self._allocate()
 
-    def _pin(self) -> None:
+    def _allocate(self) -> None:
         start = time.perf_counter()
-        cudart = torch.cuda.cudart()
-        row = self.rows.stride(0)
         for first in range(0, self.num_blocks, self.chunk_blocks):
             count = min(self.chunk_blocks, self.num_blocks - first)
-            pointer = self.rows.data_ptr() + first * row
-            # Portable and mapped: every device may read the rows in place, at the host address.
-            error = cudart.cudaHostRegister(pointer, count * row, CUDA_HOST_REGISTER_PORTABLE_MAPPED)
-            if int(error) != 0:
-                logger.error("host KV tier: pinning stopped at %d of %d blocks (cuda error %d)",
-                             first, self.num_blocks, int(error))  # fmt: skip
-                return
+            chunk = torch.empty(count, self.block_bytes, dtype=torch.uint8, pin_memory=self.cuda)
             with self._ready:
+                self._chunks.append(chunk)
                 self.ready_blocks = first + count
                 self._ready.notify_all()
         logger.info(
-            "host KV tier: %d blocks of %.2f MiB (%.1f GiB, pinned) in %.1f s",
+            "host KV tier: %d blocks of %.2f MiB (%.1f GiB%s) in %.1f s",
             self.num_blocks,
             self.block_bytes / 2**20,
             self.num_blocks * self.block_bytes / 2**30,
+            ", pinned" if self.cuda else "",
             time.perf_counter() - start,
         )
 
     def _row(self, block: int) -> torch.Tensor:
-        return self.rows[block]
+        return self._chunks[block // self.chunk_blocks][block % self.chunk_blocks]
 
     def layer_views(self) -> list[torch.Tensor]:
         """Each pool tensor's blocks as they lie in the host rows: dtype and shape of the tensor,
-        [2, num_blocks, ...], strided (a block's row apart), aliasing the rows."""
-        views, offset = [], 0
+        [2, num_blocks, ...], strided (a block's row apart), aliasing the rows. The rows must be one
+        range: on the CPU they are; on CUDA they are pinned chunk by chunk (one range registered
+        with the driver in chunks is the next step, with its unregistering)."""
+        if len(self._chunks) != 1:
+            raise NotImplementedError("layer views need the host rows in one range (the CPU backend's)")
+        rows, views, offset = self._chunks[0], [], 0
         for view, (dtype, shape) in zip(self.views, self._layouts, strict=True):
             side = view.shape[2]
-            both = self.rows[:, offset : offset + 2 * side].view(self.num_blocks, 2, side).transpose(0, 1)
+            both = rows[:, offset : offset + 2 * side].view(self.num_blocks, 2, side).transpose(0, 1)
             views.append(both.view(dtype).unflatten(2, shape))
             offset += 2 * side
         return views
