@@ -284,10 +284,12 @@ class Scheduler:
         """Whether a waiting request is prefilled whole: at least `whole_prompt_tokens` left after its
         cached prefix, and no prompt log-probabilities (whose logits rows a whole step would hold
         for every prompt token at once). It has no token in flight."""
-        whole = self.config.whole_prompt_tokens
+        whole, bm = self.config.whole_prompt_tokens, self.block_manager
         return (
             whole is not None
             and request.num_tokens - num_cached >= whole
+            # One that outgrows the pool (spilling to the host tier as it goes) is prefilled in chunks.
+            and request.num_tokens <= bm.num_total_blocks * bm.block_size
             and request.sampling_params.prompt_logprobs is None
             and not request.num_output_placeholders
         )

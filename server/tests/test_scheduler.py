@@ -57,12 +57,29 @@ class FakeRunner:
         self.block_size = scheduler.config.block_size
         self.model = model
         self.kv: dict[int, int] = {}  # slot -> token id whose KV is stored there
+        self.host_kv: dict[int, int] = {}  # the host tier's slots, likewise
         self.states: dict[str, _RunnerState] = {}
 
     def _slot(self, state: _RunnerState, pos: int) -> int:
         return state.blocks[pos // self.block_size] * self.block_size + pos % self.block_size
 
+    def _read(self, slot: int) -> int | None:
+        """A slot's token; slots of blocks past the pool's are host blocks (spilled ones)."""
+        device_slots = self.scheduler.config.num_blocks * self.block_size
+        return self.kv.get(slot) if slot < device_slots else self.host_kv.get(slot - device_slots)
+
+    def _copy_blocks(self, source: dict[int, int], target: dict[int, int], pairs) -> None:  # noqa: ANN001
+        for from_block, to_block in pairs:
+            for offset in range(self.block_size):
+                target[to_block * self.block_size + offset] = source.get(
+                    from_block * self.block_size + offset
+                )
+
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        self._copy_blocks(
+            self.kv, self.host_kv, out.kv_transfers.offloads
+        )  # before the step, as the runner does
+        self._copy_blocks(self.host_kv, self.kv, out.kv_transfers.loads)
         for request_id in out.finished_request_ids:
             self.states.pop(request_id, None)
         for new in out.scheduled_new_requests:
@@ -73,6 +90,8 @@ class FakeRunner:
         for cached in out.scheduled_cached_requests:
             state = self.states[cached.request_id]
             assert state.computed == cached.num_computed_tokens
+            for index, block_id in cached.moved_blocks:
+                state.blocks[index] = block_id
             state.blocks.extend(cached.new_block_ids)
         sampled = {}
         for request_id, num in out.num_scheduled_tokens.items():
@@ -81,10 +100,13 @@ class FakeRunner:
                 len(state.tokens), len(state.blocks) * self.block_size
             )
             for pos in range(state.computed, state.computed + num):
+                assert state.blocks[pos // self.block_size] < self.scheduler.config.num_blocks, (
+                    "a write to host"
+                )
                 self.kv[self._slot(state, pos)] = state.tokens[pos]
             state.computed += num
             if state.computed == len(state.tokens):
-                context = [self.kv[self._slot(state, pos)] for pos in range(state.computed)]
+                context = [self._read(self._slot(state, pos)) for pos in range(state.computed)]
                 assert context == state.tokens, f"KV of {request_id} was corrupted"
                 state.tokens.append(self.model(context))
                 sampled[request_id] = state.tokens[-1]
@@ -114,7 +136,7 @@ def check_invariants(sched: Scheduler, out: SchedulerOutput) -> None:
         num_after = data.num_computed_tokens + out.num_scheduled_tokens[data.request_id]
         assert num_after == sched.get_request(data.request_id).num_computed_tokens
     bm = sched.block_manager
-    owned = {b for r in sched.running for b in bm.get_block_ids(r.request_id)}
+    owned = {b for r in sched.running for b in bm.get_block_ids(r.request_id) if b < bm.num_total_blocks}
     assert len(owned) + bm.num_free_blocks == bm.num_total_blocks
     assert all(not bm.get_block_ids(r.request_id) for r in sched.waiting)
 
@@ -591,3 +613,28 @@ def test_step_kinds() -> None:
     assert step_kind(new_requests=1, num_tokens=1, num_seqs=1) == "prefill"  # a one-token prompt
     assert step_kind(new_requests=0, num_tokens=40, num_seqs=3) == "prefill"  # a prompt's next chunk
     assert step_kind(new_requests=0, num_tokens=3, num_seqs=3) == "decode"
+
+
+def test_a_request_outgrowing_the_pool_spills_to_host_and_keeps_its_kv() -> None:
+    """The long-context tier: a request of 13 blocks against a pool of 6 moves its cold blocks to
+    the host tier instead of preempting itself; every context it is sampled from still holds its
+    tokens (read from host where spilled), and its answer is the reference's."""
+    sched, runner = setup(num_blocks=6, max_num_batched_tokens=8, num_host_blocks=20, spill_keep=(1, 2))
+    sched.grow_host_tier(20)  # the engine does this as host memory is allocated
+    long = make("long", list(range(40)), max_new_tokens=12)
+    sched.add_request(long)
+    run(sched, runner)
+    stats = sched.stats()
+    assert long.output_token_ids == reference(list(range(40)), 12)
+    assert stats.num_preemptions == 0 and stats.host_spilled_blocks >= 13 - 6
+    assert sched.block_manager.num_free_blocks == 6 and sched.block_manager.host_tier.num_held_blocks == 0
+
+
+def test_whole_prompts_longer_than_the_pool_are_chunked_and_spill() -> None:
+    sched, runner = setup(num_blocks=6, max_num_batched_tokens=8, whole_prompt_tokens=20, num_host_blocks=20,
+                          spill_keep=(1, 2))  # fmt: skip
+    sched.grow_host_tier(20)
+    long = make("long", list(range(30)), max_new_tokens=3)  # over the whole-prompt length, over the pool
+    sched.add_request(long)
+    assert [out.num_scheduled_tokens["long"] for out in run(sched, runner)] == [8, 8, 8, 6, 1, 1]
+    assert long.output_token_ids == reference(list(range(30)), 3)
