@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tgserve.kernels.triton_common import dot_precision, interpreting, pow2
+from tgserve.kernels.triton_common import block_address, dot_precision, interpreting, pow2
 
 
 @triton.jit
@@ -51,11 +51,16 @@ def _block_scores_kernel(
     width,
     sink_blocks,
     recent_blocks,
+    host_summary_ptr,
+    first_host,
+    stride_h_side,
+    stride_h_block,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_J: tl.constexpr,
     PRECISION: tl.constexpr,
+    HOST: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -67,10 +72,14 @@ def _block_scores_kernel(
                                            BLOCK_D)  # fmt: skip
 
     page = tl.load(bt_ptr + seq.to(tl.int64) * stride_bt + blocks, mask=in_ctx, other=0).to(tl.int64)
-    at = page * stride_block + kv_head * stride_head
+    within = kv_head * stride_head  # of a host block (HOST) where the long-context tier spilled it
+    low_at = block_address(summary_ptr, host_summary_ptr, page, first_host, stride_block, stride_h_block, within,
+                           HOST)  # fmt: skip
+    high_at = block_address(summary_ptr + stride_side, host_summary_ptr + stride_h_side, page, first_host,
+                            stride_block, stride_h_block, within, HOST)  # fmt: skip
     mask = in_ctx[:, None] & dim_ok[None, :]
-    low = tl.load(summary_ptr + at[:, None] + dims[None, :], mask=mask, other=0.0)
-    high = tl.load(summary_ptr + stride_side + at[:, None] + dims[None, :], mask=mask, other=0.0)
+    low = tl.load(low_at[:, None] + dims[None, :], mask=mask, other=0.0)
+    high = tl.load(high_at[:, None] + dims[None, :], mask=mask, other=0.0)
     # max(q lo, q hi) = max(q, 0) hi + min(q, 0) lo: the summaries go to the tensor cores as loaded.
     # (Cast back: with the scalar, Triton computes in float32 on a GPU, and tl.dot takes one dtype.)
     bound = tl.dot(tl.maximum(q, 0.0).to(high.dtype), tl.trans(high), input_precision=PRECISION)
@@ -94,24 +103,28 @@ def block_scores(
     recent_blocks: int,
     block_j: int | None = None,
     num_warps: int = 4,
+    host_summary: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:  # float32 [num_seqs, num_kv_heads, width]
     """Every block's score for the query, per KV head (`reference.block_scores`): one launch whose
     grid depends only on shapes, so a CUDA graph captures it. block_j (blocks a program) and
-    num_warps are the launch's tiles, for the benchmark's sweep."""
+    num_warps are the launch's tiles, for the benchmark's sweep. host_summary: (the host blocks'
+    summaries [2, host_blocks, num_kv_heads, head_dim], strided by block; the first host id)."""
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads, width = key_summary.shape[2], block_tables.shape[1]
     assert query.stride(2) == 1 and key_summary.stride(3) == 1 and block_tables.stride(1) == 1
     out = torch.empty(num_seqs, num_kv_heads, width, dtype=torch.float32, device=query.device)
     block_j = block_j or (16 if interpreting() else 64)
     group = num_heads // num_kv_heads
+    host, first_host = host_summary or (key_summary, key_summary.shape[1])  # unread without HOST
+    assert host.stride()[2:] == key_summary.stride()[2:]
     _block_scores_kernel[(num_seqs, num_kv_heads, triton.cdiv(width, block_j))](
         query, key_summary, block_tables, seq_lens, out,
         query.stride(0), query.stride(1),
         key_summary.stride(0), key_summary.stride(1), key_summary.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        group, head_dim, width, sink_blocks, recent_blocks,
+        group, head_dim, width, sink_blocks, recent_blocks, host, first_host, host.stride(0), host.stride(1),
         BLOCK_SIZE=block_size, BLOCK_G=pow2(group), BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_J=block_j, PRECISION=dot_precision(query.dtype), num_warps=num_warps,
+        BLOCK_J=block_j, PRECISION=dot_precision(query.dtype), HOST=host_summary is not None, num_warps=num_warps,
     )  # fmt: skip
     return out
 
@@ -141,12 +154,18 @@ def _candidate_scores_kernel(
     group,
     head_dim,
     num_candidates,
+    hk_ptr,
+    hks_ptr,
+    first_host,
+    stride_h_block,
+    stride_hs_block,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_C: tl.constexpr,
     SCALED: tl.constexpr,
     PRECISION: tl.constexpr,
+    HOST: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -164,12 +183,13 @@ def _candidate_scores_kernel(
     column = tl.load(cand_row + which, mask=token_ok, other=0)
     page = tl.load(table + column, mask=token_ok, other=0).to(tl.int64)
     offset = tokens % BLOCK_SIZE
-    base = page * stride_c_block + offset * stride_c_off + kv_head * stride_c_head
-    k = tl.load(k_ptr + base[:, None] + dims[None, :], mask=token_ok[:, None] & dim_ok[None, :], other=0.0)
+    within = offset * stride_c_off + kv_head * stride_c_head  # host blocks (HOST) read in place
+    k_at = block_address(k_ptr, hk_ptr, page, first_host, stride_c_block, stride_h_block, within, HOST)
+    k = tl.load(k_at[:, None] + dims[None, :], mask=token_ok[:, None] & dim_ok[None, :], other=0.0)
     if SCALED:  # an fp8 cache: dequantized to the query's dtype (the decode kernel multiplies in f16 instead)
-        k_scale = tl.load(
-            ks_ptr + (page * num_kv_heads + kv_head) * BLOCK_SIZE + offset, mask=token_ok, other=0.0
-        )
+        run, page_run = kv_head * BLOCK_SIZE + offset, num_kv_heads * BLOCK_SIZE
+        ks_at = block_address(ks_ptr, hks_ptr, page, first_host, page_run, stride_hs_block, run, HOST)
+        k_scale = tl.load(ks_at, mask=token_ok, other=0.0)
         k = (k.to(tl.float32) * k_scale[:, None]).to(q.dtype)
     logits = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)  # [BLOCK_G, tokens]
     per_token = tl.max(tl.where(row_ok[:, None], logits, float("-inf")), 0)
@@ -193,9 +213,10 @@ def candidate_scores(
     candidates: torch.Tensor,  # int64 [num_seqs, num_kv_heads, c]: block-table columns
     bound: torch.Tensor,  # float32 [num_seqs, num_kv_heads, width]
     kv_scale: torch.Tensor | None = None,
+    host: tuple[torch.Tensor, torch.Tensor | None, int] | None = None,
 ) -> torch.Tensor:  # float32 [num_seqs, num_kv_heads, c]
-    """Each candidate block's largest true logit (`reference.candidate_scores`), read from the cache:
-    one launch whose grid depends only on shapes."""
+    """Each candidate block's largest true logit (`reference.candidate_scores`), read from the cache
+    (host blocks as paged_decode's `host` names them): one launch whose grid depends only on shapes."""
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     count = candidates.shape[2]
@@ -207,12 +228,16 @@ def candidate_scores(
     block_c = 2 if interpreting() else 8
     group = num_heads // num_kv_heads
     scales = kv_cache if kv_scale is None else kv_scale[0]  # unread unscaled
+    host_cache, host_scale, first_host = host or (kv_cache, None, kv_cache.shape[1])  # unread without HOST
+    assert host_cache.stride()[2:] == kv_cache.stride()[2:]
+    host_scales = scales if host_scale is None else host_scale[0]
     _candidate_scores_kernel[(num_seqs, num_kv_heads, triton.cdiv(count, block_c))](
         query, kv_cache[0], scales, block_tables, candidates, bound, out,
         query.stride(0), query.stride(1), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), candidates.stride(0), candidates.stride(1), bound.stride(0), bound.stride(1),
         out.stride(0), out.stride(1), num_kv_heads, group, head_dim, count,
+        host_cache[0], host_scales, first_host, host_cache.stride(1), host_scales.stride(0),
         BLOCK_SIZE=block_size, BLOCK_G=pow2(group), BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_C=block_c,
-        SCALED=kv_scale is not None, PRECISION=dot_precision(query.dtype),
+        SCALED=kv_scale is not None, PRECISION=dot_precision(query.dtype), HOST=host is not None,
     )  # fmt: skip
     return out

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from tgserve.kernels.triton_common import (
     attend_tile,
+    block_address,
     dot_precision,
     e4m3_rows,
     interpreting,
@@ -174,28 +175,28 @@ def _decode_kernel(
             mapped = tl.load(chosen_row + column, mask=in_ctx & chosen, other=0)
             column = tl.where(chosen, mapped, tl.where(through, current, column))
         page = tl.load(table + column, mask=in_ctx, other=0).to(tl.int64)
+        # Pages past the device pool's (HOST) are host blocks, read where they lie.
         within = (pos % BLOCK_SIZE) * stride_c_off + kv_head * stride_c_head
-        at = page * stride_c_block + within
-        k_at = k_ptr + at[:, None] + dims[None, :]
-        v_at = v_ptr + at[:, None] + dims[None, :]
-        if HOST:  # pages past the device pool's are host blocks, read where they lie
-            on_host = page >= num_device_blocks
-            host_at = (page - num_device_blocks) * stride_h_block + within
-            k_at = tl.where(on_host[:, None], hk_ptr + host_at[:, None] + dims[None, :], k_at)
-            v_at = tl.where(on_host[:, None], hv_ptr + host_at[:, None] + dims[None, :], v_at)
+        k_at = block_address(
+            k_ptr, hk_ptr, page, num_device_blocks, stride_c_block, stride_h_block, within, HOST
+        )
+        v_at = block_address(
+            v_ptr, hv_ptr, page, num_device_blocks, stride_c_block, stride_h_block, within, HOST
+        )
+        k_at, v_at = k_at[:, None] + dims[None, :], v_at[:, None] + dims[None, :]
         kv_mask = in_ctx[:, None] & dim_ok[None, :]
         k = tl.load(k_at, mask=kv_mask, other=0.0)
         v = tl.load(v_at, mask=kv_mask, other=0.0)
         mask = in_ctx & (pos >= first)
         if SCALED:  # fp8 in the cache, one float32 scale a (token, KV head)
             # [2, blocks, KV heads, BLOCK_SIZE]: a page's scales of this head are one contiguous run.
-            head_run = kv_head * BLOCK_SIZE + pos % BLOCK_SIZE
-            ks_at = ks_ptr + page * num_kv_heads * BLOCK_SIZE + head_run
-            vs_at = vs_ptr + page * num_kv_heads * BLOCK_SIZE + head_run
-            if HOST:
-                host_scale_at = (page - num_device_blocks) * stride_hs_block + head_run
-                ks_at = tl.where(on_host, hks_ptr + host_scale_at, ks_at)
-                vs_at = tl.where(on_host, hvs_ptr + host_scale_at, vs_at)
+            run, page_run = kv_head * BLOCK_SIZE + pos % BLOCK_SIZE, num_kv_heads * BLOCK_SIZE
+            ks_at = block_address(
+                ks_ptr, hks_ptr, page, num_device_blocks, page_run, stride_hs_block, run, HOST
+            )
+            vs_at = block_address(
+                vs_ptr, hvs_ptr, page, num_device_blocks, page_run, stride_hs_block, run, HOST
+            )
             k_scale = tl.load(ks_at, mask=in_ctx, other=0.0)
             v_scale = tl.load(vs_at, mask=in_ctx, other=0.0)
         if F16_PRODUCTS:

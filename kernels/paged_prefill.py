@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tgserve.kernels.triton_common import attend_tile, dot_precision, interpreting, pow2
+from tgserve.kernels.triton_common import attend_tile, block_address, dot_precision, interpreting, pow2
 
 
 # The block table's width changes with the step's longest context: not specialised, so a new
@@ -48,6 +48,13 @@ def _prefill_kernel(
     stride_bt,
     group,
     head_dim,
+    hk_ptr,
+    hv_ptr,
+    hks_ptr,
+    hvs_ptr,
+    first_host,
+    stride_h_block,
+    stride_hs_block,
     PAGED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -58,6 +65,7 @@ def _prefill_kernel(
     USE_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
     SCALED: tl.constexpr = False,
+    HOST: tl.constexpr = False,
 ):
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -94,20 +102,24 @@ def _prefill_kernel(
         for start in range(lo, hi, BLOCK_N):
             pos = start + tl.arange(0, BLOCK_N)
             in_ctx = pos < hi
-            if PAGED:
+            if PAGED:  # pages past the device pool's (HOST) are host blocks, read where they lie
                 page = tl.load(table + pos // BLOCK_SIZE, mask=in_ctx, other=0).to(tl.int64)
-                base = page * stride_ka + (pos % BLOCK_SIZE) * stride_kb
+                within = (pos % BLOCK_SIZE) * stride_kb + kv_head * stride_kh
+                k_at = block_address(k_ptr, hk_ptr, page, first_host, stride_ka, stride_h_block, within, HOST)
+                v_at = block_address(v_ptr, hv_ptr, page, first_host, stride_ka, stride_h_block, within, HOST)
             else:
-                base = (q_start + pos).to(tl.int64) * stride_ka
-            base += kv_head * stride_kh
+                base = (q_start + pos).to(tl.int64) * stride_ka + kv_head * stride_kh
+                k_at, v_at = k_ptr + base, v_ptr + base
             kv_mask = in_ctx[:, None] & dim_ok[None, :]
-            k = tl.load(k_ptr + base[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_ptr + base[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+            k = tl.load(k_at[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_at[:, None] + dims[None, :], mask=kv_mask, other=0.0)
             if SCALED:  # an fp8 cache (paged only): each (token, KV head) row times its scale
                 # [2, blocks, KV heads, BLOCK_SIZE]: a page's scales of this head are one contiguous run.
-                scale_at = (page * num_kv_heads + kv_head) * BLOCK_SIZE + pos % BLOCK_SIZE
-                k_scale = tl.load(ks_ptr + scale_at, mask=in_ctx, other=0.0)
-                v_scale = tl.load(vs_ptr + scale_at, mask=in_ctx, other=0.0)
+                run, page_run = kv_head * BLOCK_SIZE + pos % BLOCK_SIZE, num_kv_heads * BLOCK_SIZE
+                ks_at = block_address(ks_ptr, hks_ptr, page, first_host, page_run, stride_hs_block, run, HOST)
+                vs_at = block_address(vs_ptr, hvs_ptr, page, first_host, page_run, stride_hs_block, run, HOST)
+                k_scale = tl.load(ks_at, mask=in_ctx, other=0.0)
+                v_scale = tl.load(vs_at, mask=in_ctx, other=0.0)
                 k = (k.to(tl.float32) * k_scale[:, None]).to(q.dtype)
                 v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
             mask = (pos[None, :] <= q_pos[:, None]) & row_ok[:, None]
@@ -162,6 +174,7 @@ def _launch(
     block_m: int | None,
     block_n: int | None,
     kv_scale: torch.Tensor | None = None,
+    host: tuple[torch.Tensor, torch.Tensor | None, int] | None = None,
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = query.shape
     paged = block_tables is not None
@@ -183,16 +196,21 @@ def _launch(
         block_size, table, table_stride = 1, query_start_loc, 0
     assert kv_scale is None or (paged and kv_scale.is_contiguous())
     scales = (key, value) if kv_scale is None else (kv_scale[0], kv_scale[1])  # unread unscaled
+    # Host blocks (paged_decode's `host`): unread placeholders without.
+    host_cache, host_scale, first_host = host or (key.expand(2, *key.shape), None, key.shape[0])
+    assert host is None or (paged and host_cache.stride()[2:] == key.stride()[1:])
+    host_scales = scales if host_scale is None else (host_scale[0], host_scale[1])
     _prefill_kernel[(grid, num_kv_heads)](
         query, key, value, *scales, out, table, query_start_loc, seq_lens, tile_seq, cu_tiles,
         scale, softcap or 0.0, sliding_window or 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), *strides, num_kv_heads,
         table_stride,
         group, head_dim,
+        host_cache[0], host_cache[1], *host_scales, first_host, host_cache.stride(1), host_scales[0].stride(0),
         PAGED=paged, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(head_dim), USE_SOFTCAP=softcap is not None,
         USE_WINDOW=sliding_window is not None, PRECISION=dot_precision(query.dtype), SCALED=kv_scale is not None,
-        num_warps=4 if interpreting() else 8, num_stages=1 if interpreting() else 2,
+        HOST=host is not None, num_warps=4 if interpreting() else 8, num_stages=1 if interpreting() else 2,
     )  # fmt: skip
     return out
 
@@ -210,11 +228,13 @@ def paged_prefill(
     block_m: int | None = None,
     block_n: int | None = None,
     kv_scale: torch.Tensor | None = None,
+    host: tuple[torch.Tensor, torch.Tensor | None, int] | None = None,
 ) -> torch.Tensor:
     """Queries of each sequence (its last q_len positions) against all its earlier paged KV; with
-    kv_scale [2, num_blocks, num_kv_heads, block_size] float32, an fp8 cache with these scales."""
+    kv_scale [2, num_blocks, num_kv_heads, block_size] float32, an fp8 cache with these scales;
+    with `host` (as paged_decode takes it), table entries from its first id on are host blocks."""
     return _launch(query, kv_cache[0], kv_cache[1], query_start_loc, seq_lens, block_tables,
-                   scale, sliding_window, softcap, out, block_m, block_n, kv_scale)  # fmt: skip
+                   scale, sliding_window, softcap, out, block_m, block_n, kv_scale, host)  # fmt: skip
 
 
 def varlen_prefill(

@@ -118,11 +118,16 @@ def block_scores(
     block_size: int,
     sink_blocks: int,
     recent_blocks: int,
+    host_summary: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:  # float32 [num_seqs, num_kv_heads, width]
     """How much each block of a context may matter to the query, per KV head
     (`kernels/decode_selection.py`): Quest's bound sum_d max(q_d min_d, q_d max_d), the largest over
     the query heads that share the KV head; +inf for the sink's and the recent window's blocks;
-    -inf for the current block (always read, after the chosen ones) and past the context."""
+    -inf for the current block (always read, after the chosen ones) and past the context. With
+    `host_summary` (host blocks' summaries, the first host id), table entries from it on are host blocks."""
+    if host_summary is not None:
+        assert host_summary[1] == key_summary.shape[1], "the twin joins pools without scratch blocks between"
+        key_summary = torch.cat([key_summary, host_summary[0]], dim=1)
     num_seqs, num_heads, dim = query.shape
     num_kv = key_summary.shape[2]
     low, high = (key_summary[i][block_tables.long()].float() for i in (0, 1))  # [S, W, Hkv, D]
@@ -157,10 +162,14 @@ def candidate_scores(
     candidates: torch.Tensor,  # int64 [num_seqs, num_kv_heads, c]: block-table columns
     bound: torch.Tensor,  # float32 [num_seqs, num_kv_heads, width]: `block_scores`
     kv_scale: torch.Tensor | None = None,
+    host: tuple[torch.Tensor, torch.Tensor | None, int] | None = None,
 ) -> torch.Tensor:  # float32 [num_seqs, num_kv_heads, c]
     """Each candidate block's largest logit q . k over its keys and the query heads that share the
     KV head, from the cache itself; a candidate whose bound is infinite keeps it (the sink and the
-    recent window: +inf; the current block and blocks past the context: -inf, never chosen)."""
+    recent window: +inf; the current block and blocks past the context: -inf, never chosen).
+    `host`: as `gather_kv` reads it."""
+    if host is not None:
+        kv_cache, kv_scale = with_host_blocks(kv_cache, kv_scale, host)
     num_seqs, num_heads, dim = query.shape
     num_kv = kv_cache.shape[3]
     pages = block_tables.long().gather(1, candidates.flatten(1)).view(candidates.shape)

@@ -44,6 +44,17 @@ def e4m3_rows(x):
 
 
 @triton.jit
+def block_address(ptr, host_ptr, page, first, stride_block, stride_host_block, within, HOST: tl.constexpr):
+    """Addresses of offset `within` of blocks `page` (tensors of one shape): in the device pool, or
+    with HOST, for pages from `first` on, in host block page - first (the long-context tier's
+    blocks, read where they lie: `HostKVPool.layer_views`, pinned memory on CUDA)."""
+    at = ptr + page * stride_block + within
+    if HOST:
+        at = tl.where(page >= first, host_ptr + (page - first) * stride_host_block + within, at)
+    return at
+
+
+@triton.jit
 def tanh(x):
     """tanh through exp: portable across Triton versions and the interpreter (saturates cleanly)."""
     return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)

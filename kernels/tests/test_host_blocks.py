@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from tgserve.kernels import reference
+from tgserve.kernels.block_scores import block_scores, candidate_scores
 from tgserve.kernels.paged_decode import paged_decode
+from tgserve.kernels.paged_prefill import paged_prefill
 from tgserve.kernels.testing import PagedBatch, make_paged_batch, with_fp8_cache
 
 
@@ -77,3 +79,63 @@ def test_selective_decode_reads_chosen_host_blocks(device):
     twin = reference.selected_decode(batch.query.cpu(), batch.kv_cache.cpu(), tables.cpu(), batch.seq_lens.cpu(),
                                      chosen.cpu(), lengths.cpu(), 0.3, host=(host[0].cpu(), None, host[2]))  # fmt: skip
     assert (twin - want.cpu()).abs().max() < 2e-5
+
+
+@pytest.mark.parametrize("dtype,fp8", [(torch.float32, False), (torch.float16, True)])
+def test_prefill_chunks_read_host_blocks_where_they_lie(device, dtype, fp8):
+    """A prompt chunk after a context whose older blocks are on host (a long prompt prefilled in
+    chunks while it spills): the paged prefill reads them in place."""
+    batch = make_paged_batch([5, 12, 1], [40, 77, 30], 8, 2, 32, 8, dtype, device, seed=7)
+    if fp8:
+        batch = with_fp8_cache(batch)
+    args = (batch.query, batch.kv_cache)
+    rest = (batch.query_start_loc, batch.seq_lens, 0.3)
+    want = paged_prefill(*args, batch.block_tables, *rest, kv_scale=batch.kv_scale)
+    tables, host, moves = _moved_to_host(batch, every=2)
+    assert moves
+    got = paged_prefill(*args, tables, *rest, kv_scale=batch.kv_scale, host=host)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_block_selection_reads_host_summaries_and_keys(device, fp8):
+    """Selective decode's two scoring launches (bounds from key summaries, candidates' true logits
+    from their keys) pick the same blocks when the cold ones lie on host."""
+    from tgserve.kernels import dispatch
+    from tgserve.kernels.decode_selection import DecodeSelection
+
+    batch = make_paged_batch([1, 1], [300, 170], 8, 2, 32, 8, torch.float16, device, seed=8)
+    summary = torch.randn(2, batch.kv_cache.shape[1], 2, 32, generator=torch.Generator().manual_seed(9))
+    summary = torch.stack([summary.min(0).values, summary.max(0).values]).to(torch.float16).to(device)
+    if fp8:
+        batch = with_fp8_cache(batch)
+    selection = DecodeSelection(budget=96, min_context=64, sink=8, recent=16)
+    args = (batch.query, summary)
+    rest = (batch.seq_lens, selection, batch.kv_cache, batch.kv_scale)
+    want = dispatch.select_decode_blocks(*args, batch.block_tables, *rest)
+    tables, (host_cache, host_scale, first), moves = _moved_to_host(batch, every=3)
+    host_summary = _host_copy(summary, len(moves) + 2)
+    for device_block, host_block in moves:
+        host_summary[:, host_block] = summary[:, device_block].cpu()
+        summary[:, device_block] = float("nan")
+    got = dispatch.select_decode_blocks(
+        *args, tables, *rest, host=(host_cache, host_scale, host_summary, first)
+    )
+    assert torch.equal(got.sort(-1).values, want.sort(-1).values)
+    # The Triton launches themselves (dispatch takes the twins off CUDA), against the twins.
+    bound = block_scores(
+        batch.query, summary, tables, batch.seq_lens, 8, 1, 2, host_summary=(host_summary, first)
+    )
+    twin = reference.block_scores(batch.query.cpu(), summary.cpu(), tables.cpu(), batch.seq_lens.cpu(), 8, 1, 2,
+                                  host_summary=(host_summary.cpu(), first))  # fmt: skip
+    assert torch.allclose(bound.cpu(), twin, atol=1e-2, rtol=1e-3)
+    columns = torch.topk(twin, 6, dim=-1).indices.to(device)
+    exact = candidate_scores(batch.query, batch.kv_cache, tables, columns, bound, batch.kv_scale,
+                             host=(host_cache, host_scale, first))  # fmt: skip
+    twin_exact = reference.candidate_scores(
+        batch.query.cpu(), batch.kv_cache.cpu(), tables.cpu(), columns.cpu(), bound.cpu(),
+        None if batch.kv_scale is None else batch.kv_scale.cpu(),
+        host=(host_cache.cpu(), None if host_scale is None else host_scale.cpu(), first),
+    )  # fmt: skip
+    assert torch.isfinite(twin_exact[~torch.isinf(twin_exact)]).all()
+    assert torch.allclose(exact.cpu(), twin_exact, atol=2e-2, rtol=1e-3)
