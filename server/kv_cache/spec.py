@@ -88,9 +88,21 @@ def num_attention_heads(config: Any) -> int:
     return int(_first_attr(config, ("num_attention_heads", "n_head")))
 
 
+def is_latent_attention(config: Any) -> bool:
+    """Multi-head latent attention (DeepSeek-V2/V3, MiniCPM3): keys and values are decompressed from a
+    latent for every attention head, keys of qk_nope + qk_rope dims, values of v_head_dim. The cache
+    holds them decompressed (every head's), values padded to the keys' width where narrower."""
+    return (
+        getattr(config, "kv_lora_rank", None) is not None
+        and getattr(config, "qk_nope_head_dim", None) is not None
+    )
+
+
 def num_kv_heads(config: Any) -> int:
     """KV heads, covering GQA (num_key_value_heads), multi-query flags and Falcon's two layouts."""
     heads = num_attention_heads(config)
+    if is_latent_attention(config):
+        return heads
     if getattr(config, "model_type", "") == "falcon":
         if getattr(config, "new_decoder_architecture", False):
             return int(config.num_kv_heads)
@@ -101,6 +113,8 @@ def num_kv_heads(config: Any) -> int:
 
 
 def head_dim(config: Any) -> int:
+    if is_latent_attention(config):
+        return max(int(config.qk_nope_head_dim) + int(config.qk_rope_head_dim), int(config.v_head_dim))
     explicit = getattr(config, "head_dim", None)
     if explicit:
         return int(explicit)

@@ -13,6 +13,7 @@ import inspect
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tgserve.server.attention.forward_context import get_forward_context, paged_attention
@@ -36,9 +37,16 @@ def _paged_attention_function(
 ) -> tuple[torch.Tensor, None]:
     """transformers calls this in place of eager/sdpa attention; the batch is one flat sequence."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
+    # The cache's head width; latent attention's values (and keys) may be narrower: zeros pad them,
+    # which leaves the scores and the output's own columns as they are.
+    width, value_dim = get_forward_context().specs[module.layer_idx].head_dim, value.shape[-1]
+    q, k, v = (_padded(t[0], width).transpose(0, 1).contiguous() for t in (query, key, value))
     out = paged_attention(module.layer_idx, q, k, v, scale, softcap)
-    return out[None], None  # [1, T, H, D], as transformers' attention functions return
+    return out[..., :value_dim][None], None  # [1, T, H, D], as transformers' attention functions return
+
+
+def _padded(t: torch.Tensor, width: int) -> torch.Tensor:
+    return t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1]))
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:

@@ -18,6 +18,7 @@ SAMPLE = [
     ("gemma2", "Gemma2ForCausalLM"),
     ("mixtral", "MixtralForCausalLM"),
     ("opt", "OPTForCausalLM"),
+    ("deepseek_v2", "DeepseekV2ForCausalLM"),  # latent attention: keys and values of two widths
 ]
 
 
