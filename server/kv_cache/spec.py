@@ -103,6 +103,8 @@ def num_kv_heads(config: Any) -> int:
     heads = num_attention_heads(config)
     if is_latent_attention(config):
         return heads
+    if getattr(config, "model_type", "") == "jetmoe":  # its KV heads repeated for each of top_k experts
+        return int(config.num_key_value_heads) * int(config.num_experts_per_tok)
     if getattr(config, "model_type", "") == "falcon":
         if getattr(config, "new_decoder_architecture", False):
             return int(config.num_kv_heads)
@@ -115,6 +117,8 @@ def num_kv_heads(config: Any) -> int:
 def head_dim(config: Any) -> int:
     if is_latent_attention(config):
         return max(int(config.qk_nope_head_dim) + int(config.qk_rope_head_dim), int(config.v_head_dim))
+    if getattr(config, "model_type", "") == "jetmoe":
+        return int(config.kv_channels)
     explicit = getattr(config, "head_dim", None)
     if explicit:
         return int(explicit)
