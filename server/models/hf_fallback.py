@@ -84,6 +84,9 @@ class TransformersFallbackModel(nn.Module):
         # Some 4.x models (OPT and GPT-BigCode in 4.55, the Gaudi image's version) take no
         # `logits_to_keep` and return every position's logits; those rows are picked here instead.
         self._takes_logits_to_keep = "logits_to_keep" in parameters
+        backbone = getattr(hf_model, "transformer", None)
+        if not self.uses_attention_interface and hasattr(backbone, "build_alibi_tensor"):
+            backbone.build_alibi_tensor = _alibi_by_sequence(backbone.build_alibi_tensor)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor
@@ -103,6 +106,22 @@ class TransformersFallbackModel(nn.Module):
 
     def _dtype(self) -> torch.dtype:
         return next(self.hf_model.parameters()).dtype
+
+
+def _alibi_by_sequence(build: Any) -> Any:
+    """ALiBi (BLOOM) from each key's position in its own sequence. The model builds it from a 2D
+    padding mask; this path's mask is the 4D one of several sequences' contexts packed together
+    (`packed_context_mask`), so the biases come from the step's sequence lengths instead: the
+    slopes are the model's own (its bias at position 1)."""
+
+    def by_sequence(attention_mask: torch.Tensor, num_heads: int, dtype: torch.dtype) -> torch.Tensor:
+        device = attention_mask.device
+        lengths = get_forward_context().metadata.seq_lens_cpu
+        positions = torch.cat([torch.arange(n, device=device) for n in lengths]).float()
+        slopes = build(torch.ones(1, 2, device=device), num_heads, torch.float32)[:, 0, 1]
+        return (slopes[:, None, None] * positions[None, None, :]).to(dtype)  # [heads, 1, keys]
+
+    return by_sequence
 
 
 def load_fallback_model(

@@ -19,6 +19,7 @@ SAMPLE = [
     ("mixtral", "MixtralForCausalLM"),
     ("opt", "OPTForCausalLM"),
     ("deepseek_v2", "DeepseekV2ForCausalLM"),  # latent attention: keys and values of two widths
+    ("bloom", "BloomForCausalLM"),  # ALiBi, through the path that bypasses the attention interface
 ]
 
 
@@ -86,3 +87,34 @@ def test_families_the_sweep_found_differing_now_give_transformers_tokens(tmp_pat
 def test_differential_attention_is_refused_by_name(tmp_path):
     row = run_one("diffllama", "DiffLlamaForCausalLM", tmp_path)
     assert row.status == "refused" and "differential attention" in row.detail, row
+
+
+def test_alibi_biases_each_sequence_from_its_own_positions(tmp_path):
+    """BLOOM through the fallback with three prompts of different lengths batched together (their
+    contexts packed into one attention call): each gets the tokens transformers gives it alone."""
+    import shutil
+
+    import torch
+    import transformers
+
+    from tgserve import LLM, SamplingParams
+    from tgserve.server.testing.fixtures import _token_ids, _tokenizer_dir, default_cache_dir
+
+    tokenizer_dir = _tokenizer_dir(default_cache_dir())
+    config = tiny_config("bloom", _token_ids(tokenizer_dir))
+    torch.manual_seed(0)
+    model = transformers.BloomForCausalLM(config).float().eval()
+    model.save_pretrained(tmp_path)
+    for file in tokenizer_dir.iterdir():
+        shutil.copy(file, tmp_path / file.name)
+    prompts = [list(range(5, 22)), [5, 6, 7, 8, 30, 31], list(range(40, 75))]
+    want = [
+        model.generate(torch.tensor([p]), max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                       pad_token_id=config.pad_token_id)[0, len(p):].tolist()
+        for p in prompts
+    ]  # fmt: skip
+    llm = LLM(
+        str(tmp_path), dtype="float32", device="cpu", max_num_batched_tokens=64, block_size=8, num_blocks=64
+    )
+    params = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+    assert [out.token_ids for out in llm.generate(prompts, params)] == want
