@@ -40,6 +40,15 @@ CASES = [
     ("/generate", b'{"inputs": "\xff\xfe broken"}', 422, "unicode"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\xc3\x28"}]}', 400, "unicode"),
     ("/generate", b"", 422, "empty"),
+    # JSON numbers past a double's range parse as infinity: no sampling knob takes it.
+    (
+        "/generate",
+        b'{"inputs": "hi", "parameters": {"temperature": 1e400, "do_sample": true}}',
+        422,
+        "finite",
+    ),
+    ("/generate", b'{"inputs": "hi", "parameters": {"repetition_penalty": 1e400}}', 422, "finite"),
+    ("/v1/completions", b'{"prompt": "hi", "frequency_penalty": -1e400}', 400, "frequency_penalty"),
 ]
 
 

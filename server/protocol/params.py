@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 
 
@@ -68,6 +69,10 @@ class GuidedDecoding:
             )
 
 
+FLOAT_FIELDS = ("temperature", "top_p", "typical_p", "min_p", "repetition_penalty", "frequency_penalty",
+                "presence_penalty")  # fmt: skip
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
@@ -104,6 +109,14 @@ class SamplingParams:
         _check(
             isinstance(self.max_new_tokens, int) and self.max_new_tokens > 0,
             f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}",
+        )
+        # JSON parsers read 1e400 as infinity (and some accept NaN): no sampling knob takes either.
+        for name in FLOAT_FIELDS:
+            value = getattr(self, name)
+            _check(math.isfinite(value), f"{name} must be a finite number, got {value!r}")
+        _check(
+            all(math.isfinite(bias) for bias in self.logit_bias.values()),
+            "logit_bias values must be finite numbers",
         )
         _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
         _check(self.top_k >= 0, f"top_k must be >= 0 (0 disables it), got {self.top_k}")

@@ -77,6 +77,12 @@ def test_stop_string_ends_the_request_and_is_cut(llm: LLM) -> None:
         (lambda: SamplingParams(top_p=0.0), "top_p must be in (0, 1]"),
         (lambda: SamplingParams(top_p=1.5), "top_p must be in (0, 1]"),
         (lambda: SamplingParams(temperature=-0.1), "temperature must be >= 0"),
+        (lambda: SamplingParams(temperature=float("inf")), "temperature must be a finite number"),
+        (
+            lambda: SamplingParams(repetition_penalty=float("nan")),
+            "repetition_penalty must be a finite number",
+        ),
+        (lambda: SamplingParams(logit_bias={3: float("inf")}), "logit_bias values must be finite"),
     ],
 )
 def test_bad_sampling_parameters_name_the_problem(make_params, fragment: str) -> None:
