@@ -84,6 +84,7 @@ def paged_decode(
     kv_scale: torch.Tensor | None = None,
     selection: tuple[torch.Tensor, torch.Tensor] | None = None,
     key_summary: torch.Tensor | None = None,
+    host: tuple[torch.Tensor, torch.Tensor | None, int] | None = None,
 ) -> torch.Tensor:
     """One query per sequence over its paged context: the split-context decode kernel on CUDA.
 
@@ -92,7 +93,9 @@ def paged_decode(
     them itself (one launch a layer fewer at batch-1 decode). kv_scale: the fp8 cache's scales
     [2, num_blocks, num_kv_heads, block_size] (float32), None for a cache in the model's dtype.
     selection: (chosen, lengths): `select_decode_blocks` and the selection's `lengths` (full-attention layers).
-    key_summary: the layer's key summaries, which the step's keys are folded into.
+    key_summary: the layer's key summaries, which the step's keys are folded into. host: (host
+    blocks' cache, their scales or None, first host id): table entries from that id on name host
+    blocks, read where they lie (the long-context tier).
     """
     assert selection is None or sliding_window is None, "selection is for full-attention layers"
     if use_triton(query):
@@ -100,18 +103,18 @@ def paged_decode(
 
         return triton_paged_decode(query, kv_cache, block_tables, seq_lens, scale, sliding_window, softcap, out,
                                    max_seq_len=max_seq_len, step_kv=step_kv, kv_scale=kv_scale, selection=selection,
-                                   key_summary=key_summary)  # fmt: skip
+                                   key_summary=key_summary, host=host)  # fmt: skip
     if step_kv is not None:
         reference.write_kv(*step_kv[:2], kv_cache, step_kv[2], kv_scale)
         if key_summary is not None:
             update_key_summaries(step_kv[0], step_kv[2], key_summary, kv_cache.shape[2])
     if selection is not None:
         result = reference.selected_decode(query, kv_cache, block_tables, seq_lens, *selection, scale, softcap,
-                                           kv_scale)  # fmt: skip
+                                           kv_scale, host)  # fmt: skip
         return result if out is None else out.copy_(result)
     one_query_each = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
     result = reference.paged_attention(query, kv_cache, block_tables, one_query_each, seq_lens, scale,
-                                       sliding_window, softcap, kv_scale=kv_scale)  # fmt: skip
+                                       sliding_window, softcap, kv_scale=kv_scale, host=host)  # fmt: skip
     return result if out is None else out.copy_(result)
 
 
@@ -160,16 +163,18 @@ def paged_prefill(
     softcap: float | None = None,
     out: torch.Tensor | None = None,
     kv_scale: torch.Tensor | None = None,
+    host: tuple[torch.Tensor, torch.Tensor | None, int] | None = None,
 ) -> torch.Tensor:
     """Each sequence's queries (its last positions) over its paged context, this step's keys and
-    values already stored: chunked prefill, prefix hits, prompts beside decode rows."""
+    values already stored: chunked prefill, prefix hits, prompts beside decode rows (`host`: as
+    `paged_decode` reads it)."""
     if use_triton(query):
         from tgserve.kernels.paged_prefill import paged_prefill as triton_paged_prefill
 
         return triton_paged_prefill(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window,
-                                    softcap, out, kv_scale=kv_scale)  # fmt: skip
+                                    softcap, out, kv_scale=kv_scale, host=host)  # fmt: skip
     result = reference.paged_attention(query, kv_cache, block_tables, query_start_loc, seq_lens, scale,
-                                       sliding_window, softcap, kv_scale=kv_scale)  # fmt: skip
+                                       sliding_window, softcap, kv_scale=kv_scale, host=host)  # fmt: skip
     return result if out is None else out.copy_(result)
 
 

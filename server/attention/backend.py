@@ -30,6 +30,17 @@ class HostBlocks:
     scale: torch.Tensor | None = None  # an fp8 cache's scales, [2, host_blocks, num_kv_heads, block_size]
     summary: torch.Tensor | None = None  # key summaries, [2, host_blocks, num_kv_heads, head_dim]
 
+    @property
+    def blocks(self) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """As the paged kernels read them (`dispatch.paged_decode`'s and `paged_prefill`'s `host`)."""
+        return self.cache, self.scale, self.first
+
+    @property
+    def with_summaries(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, int]:
+        """As block selection reads them (`dispatch.select_decode_blocks`'s `host`)."""
+        assert self.summary is not None, "selection reads the host blocks' key summaries"
+        return self.cache, self.scale, self.summary, self.first
+
 
 @dataclass
 class AttentionLayerParams:

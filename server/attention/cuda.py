@@ -13,6 +13,11 @@ With selective decode attention (`--decode-attention-budget`), a decode step who
 the threshold first scores every block of each context by its key summary and chooses the blocks
 to read (`dispatch.select_decode_blocks`), then runs the same decode kernel over them. Every path
 folds the keys it stores into their blocks' summaries.
+
+With the long-context tier (`--kv-offload-gb`), block-table entries past the pool's blocks name
+blocks a request spilled to pinned host memory, and every kernel that reads the paged cache (decode,
+paged prefill, block selection) reads them there, over the link, within the same launch: the host
+never learns which blocks a step reads, so decode stays one captured graph.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import torch
 from tgserve.kernels import dispatch
 from tgserve.kernels.decode_selection import DecodeSelection
 from tgserve.kernels.sparse.config import SparseConfig
-from tgserve.server.attention.backend import AttentionBackend, AttentionLayerParams, StepPlan
+from tgserve.server.attention.backend import AttentionBackend, AttentionLayerParams, HostBlocks, StepPlan
 from tgserve.server.attention.metadata import AttentionMetadata, rows_as_sequences
 
 
@@ -103,11 +108,22 @@ def cuda_step_plan(metadata: AttentionMetadata, selection: DecodeSelection | Non
     return CudaStepPlan(metadata, path, max_query_len, max_seq_len, lengths, decodes)
 
 
+def _host(host: HostBlocks | None) -> tuple[torch.Tensor, torch.Tensor | None, int] | None:
+    return None if host is None else host.blocks
+
+
+def _selection_host(
+    host: HostBlocks | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, int] | None:
+    return None if host is None else host.with_summaries
+
+
 class CudaAttentionBackend(AttentionBackend[CudaStepPlan]):
     """Paged attention with the Triton kernels; sparse prefill for prompts over the configured length."""
 
     name = "cuda"
     reads_fp8_kv = True
+    reads_host_blocks = True
 
     def __init__(self, sparse: SparseConfig | None = None, selection: DecodeSelection | None = None) -> None:
         self.sparse = sparse
@@ -131,7 +147,8 @@ class CudaAttentionBackend(AttentionBackend[CudaStepPlan]):
             selection = None
             if plan.selected_lengths is not None and layer.key_summary is not None:
                 chosen = dispatch.select_decode_blocks(query, layer.key_summary, metadata.block_tables,
-                                                       metadata.seq_lens, self.selection, kv_cache, layer.kv_scale)  # fmt: skip
+                                                       metadata.seq_lens, self.selection, kv_cache, layer.kv_scale,
+                                                       _selection_host(layer.host))  # fmt: skip
                 selection = (chosen, plan.selected_lengths)
             return dispatch.paged_decode(
                 query,
@@ -146,6 +163,7 @@ class CudaAttentionBackend(AttentionBackend[CudaStepPlan]):
                 kv_scale=layer.kv_scale,
                 selection=selection,
                 key_summary=layer.key_summary,
+                host=_host(layer.host),
             )
         self._store(key, value, kv_cache, metadata, layer)
         if plan.path is CudaPath.FRESH:
@@ -173,6 +191,7 @@ class CudaAttentionBackend(AttentionBackend[CudaStepPlan]):
             window,
             layer.softcap,
             kv_scale=layer.kv_scale,
+            host=_host(layer.host),
         )
         if decodes is not None:
             out[decodes.rows] = self._selective_decode(query[decodes.rows], kv_cache, layer, decodes)
@@ -184,11 +203,11 @@ class CudaAttentionBackend(AttentionBackend[CudaStepPlan]):
         """A mixed step's selecting decode queries (their keys already stored) over their chosen blocks."""
         tables, seq_lens = decodes.block_tables, decodes.seq_lens
         chosen = dispatch.select_decode_blocks(query, layer.key_summary, tables, seq_lens, self.selection, kv_cache,
-                                               layer.kv_scale)  # fmt: skip
+                                               layer.kv_scale, _selection_host(layer.host))  # fmt: skip
         bound = max(self.selection.min_context, self.selection.budget)
         return dispatch.paged_decode(query, kv_cache, tables, seq_lens, layer.scale, None, layer.softcap,
                                      max_seq_len=bound, kv_scale=layer.kv_scale,
-                                     selection=(chosen, decodes.lengths))  # fmt: skip
+                                     selection=(chosen, decodes.lengths), host=_host(layer.host))  # fmt: skip
 
     def forward_rows(self, query, key, value, kv_cache, plan: CudaStepPlan, layer: AttentionLayerParams,
                      rows: torch.Tensor) -> torch.Tensor:  # fmt: skip
@@ -218,6 +237,7 @@ class CudaAttentionBackend(AttentionBackend[CudaStepPlan]):
             layer.softcap,
             max_seq_len=plan.max_seq_len,
             kv_scale=layer.kv_scale,
+            host=_host(layer.host),
         )
         if decodes is not None:
             out[at.int().argmax(0)] = self._selective_decode(query[decodes.rows], kv_cache, layer, decodes)

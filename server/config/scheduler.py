@@ -27,6 +27,10 @@ class SchedulerConfig:
     # The long-context tier: (first, last) blocks of a request kept on the device while its cold
     # ones move to the host tier (`BlockManager.spill`); None: off (the backend reads no host blocks).
     spill_keep: tuple[int, int] | None = None
+    # Contexts longer than this may spill to make room for other requests (selective decode reads
+    # only a budget of their blocks, wherever they lie); None: a request spills only its own
+    # blocks, when it would otherwise preempt itself.
+    spill_min_context: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size", "num_blocks"):

@@ -83,8 +83,9 @@ class BlockManager:
         self._lookups_counted: set[str] = set()
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
-        # Full blocks evicted from the pool go to host memory, and come back from there (host_tier.py).
-        self.host_tier = host_tier if enable_prefix_caching else None
+        # Full blocks evicted from the pool go to host memory, and come back from there (host_tier.py);
+        # without prefix caching, the host tier still takes swapped-out and spilled blocks.
+        self.host_tier = host_tier
         self.host_hits = 0  # prompt tokens loaded from the host tier instead of computed
         self._swapped: dict[str, list[int]] = {}  # request id -> the host blocks holding its KV
         self.spill_keep = spill_keep if self.host_tier is not None else None
@@ -311,25 +312,32 @@ class BlockManager:
 
     # ---- the long-context tier -------------------------------------------------------------------
 
-    def spill(self, request: Request, count: int) -> bool:
-        """Move `count` of the request's oldest cold blocks (full, computed, its own alone, not
-        among the first and last `spill_keep`) to host blocks held for it, freeing their device
-        blocks for its next tokens; the copies run before the step's forward, ahead of anything
-        that writes the freed blocks. False, changing nothing, when spilling is off or the request
-        or the host tier lacks that many."""
-        if self.spill_keep is None or count <= 0:
-            return False
+    def spillable_blocks(self, request: Request, num_computed: int | None = None) -> list[int]:
+        """Where the request's cold blocks are in its block list, oldest first: full of computed
+        tokens (its `num_computed_tokens`, or the `num_computed` written so far), its own alone, on
+        the device, not among the first and last `spill_keep`. None without spilling."""
+        if self.spill_keep is None:
+            return []
         first, last = self.spill_keep
         owned = self._req_blocks.get(request.request_id, [])
-        num_full = min(request.num_computed_tokens // self.block_size, len(owned) - last)
-        cold = [
+        computed = request.num_computed_tokens if num_computed is None else num_computed
+        num_full = min(computed // self.block_size, len(owned) - last)
+        return [
             i
             for i in range(first, num_full)
             if owned[i] < len(self._blocks) and self._blocks[owned[i]].ref_count == 1
         ]
-        if len(cold) < count:
+
+    def spill(self, request: Request, count: int, num_computed: int | None = None) -> bool:
+        """Move `count` of the request's oldest cold blocks (`spillable_blocks`) to host blocks
+        held for it, freeing their device blocks; the copies run before the step's forward, ahead
+        of anything that writes the freed blocks. False, changing nothing, when spilling is off or
+        the request or the host tier lacks that many."""
+        cold = self.spillable_blocks(request, num_computed)
+        if count <= 0 or len(cold) < count:
             return False
         chosen = cold[:count]
+        owned = self._req_blocks[request.request_id]
         held = self.host_tier.hold([owned[i] for i in chosen], swap=False)
         if held is None:
             return False

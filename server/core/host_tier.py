@@ -117,12 +117,16 @@ class HostTier:
         """Keep these host blocks from this step's offloads: loads of them are about to be planned."""
         self._reading.update(host_blocks)
 
+    @property
+    def num_holdable_blocks(self) -> int:
+        """Blocks `hold` can take this step: free ones and cached ones not being read."""
+        return len(self._free) + sum(1 for b in self._by_hash.values() if b not in self._reading)
+
     def hold(self, device_blocks: list[int], swap: bool = True) -> list[int] | None:
         """Copy a preempted request's blocks (`swap`), or a running request's cold blocks (the
         long-context tier), to host blocks held for it (evicting cached ones as needed), or None,
         changing nothing, when the tier cannot give that many."""
-        available = len(self._free) + sum(1 for b in self._by_hash.values() if b not in self._reading)
-        if len(device_blocks) > available:
+        if len(device_blocks) > self.num_holdable_blocks:
             return None
         held = [self._take_block() for _ in device_blocks]
         for host_block, device_block in zip(held, device_blocks, strict=True):

@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Mapping
 
 from tgserve.server.config.scheduler import SchedulerConfig
-from tgserve.server.core.block_manager import BlockManager
+from tgserve.server.core.block_manager import BlockManager, PrefixHit
 from tgserve.server.core.host_tier import HostTier
 from tgserve.server.core.request import FinishReason, Request, RequestStatus
 from tgserve.server.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -173,6 +173,8 @@ class Scheduler:
             # them (or the requests just preempted) preempted again.
             if not plan.preempted:
                 self._schedule_waiting(plan)
+        for cached in plan.cached:  # spilled at any point of the step (to make room for others too)
+            cached.moved_blocks.extend(self.block_manager.take_moved(cached.request_id))
         finished = self._finished_ids | plan.preempted
         self._finished_ids = set()
         total = sum(plan.num_scheduled.values())
@@ -208,10 +210,7 @@ class Scheduler:
             new_blocks = self._allocate_or_preempt(request, num_new, plan)
             if new_blocks is None:
                 break  # it preempted itself: it was the newest, nothing runs after it
-            moved = self.block_manager.take_moved(request.request_id)
-            plan.cached.append(
-                CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens, moved)
-            )
+            plan.cached.append(CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens))
             plan.add(request, num_new)
 
     def _may_finish_on_pending(self, request: Request) -> bool:
@@ -226,8 +225,9 @@ class Scheduler:
         """Blocks for `request`, preempting the newest running requests until they fit.
 
         A request finishing on its tokens in flight holds no blocks, so preempting it would free
-        nothing: victims are the newest of the others (`request` itself at the latest). Rather than
-        preempt itself, a request spills its own cold blocks to the host tier where it can.
+        nothing: victims are the newest of the others (`request` itself at the latest). Before
+        anyone is preempted, long contexts spill cold blocks to the host tier where they can; and
+        rather than preempt itself, a request spills its own.
         Returns None when `request` itself had to be preempted.
         """
         bm = self.block_manager
@@ -235,14 +235,15 @@ class Scheduler:
             new_blocks = bm.allocate_slots(request, num_new)
             if new_blocks is not None:
                 return new_blocks
+            owned = len(bm.get_block_ids(request.request_id))
+            short = bm.num_blocks_for(request.num_computed_tokens + num_new) - owned - bm.num_free_blocks
+            if self._spill_long_contexts(short, plan):
+                continue
             newest = len(self.running) - 1
             while self._may_finish_on_pending(self.running[newest]):
                 newest -= 1
-            if self.running[newest] is request:
-                owned = len(bm.get_block_ids(request.request_id))
-                short = bm.num_blocks_for(request.num_computed_tokens + num_new) - owned - bm.num_free_blocks
-                if bm.spill(request, short):
-                    continue
+            if self.running[newest] is request and bm.spill(request, short):
+                continue
             victim = self.running.pop(newest)
             self._preempt(victim)
             plan.preempted.add(victim.request_id)
@@ -275,9 +276,40 @@ class Scheduler:
         if not self._runs_whole(request, num_cached):
             return False
         # Its cached prefix is not used: sparse prefill attends over the step's own keys only.
-        if self.block_manager.allocate_slots(request, request.num_tokens) is None:
+        bm = self.block_manager
+        if not self._spill_long_contexts(bm.num_blocks_for(request.num_tokens) - bm.num_free_blocks, plan):
             return False  # it waits (FCFS) while the running requests go on and free blocks
+        if bm.allocate_slots(request, request.num_tokens) is None:
+            return False
         self._admit(plan, request, 0, request.num_tokens)
+        return True
+
+    def _spill_long_contexts(self, short: int, plan: _StepPlan) -> bool:
+        """Whether `short` more device blocks are free, after spilling cold blocks of running long
+        contexts (`SchedulerConfig.spill_min_context`, the longest first) to the host tier: long
+        contexts then run together though they outgrow the pool, with nobody preempted. Requests
+        already in this step keep theirs (their blocks are read by it, their tokens of it not yet
+        written). False, spilling nothing, when they cannot."""
+        if short <= 0:
+            return True
+        bm, past = self.block_manager, self.config.spill_min_context
+        if past is None:
+            return False
+        written = [r.num_computed_tokens - plan.num_scheduled.get(r.request_id, 0) for r in self.running]
+        cold = sorted(
+            (len(bm.spillable_blocks(r, written[i])), i)
+            for i, r in enumerate(self.running)
+            if written[i] > past
+        )[::-1]
+        if sum(count for count, _ in cold) < short or bm.host_tier.num_holdable_blocks < short:
+            return False
+        for count, i in cold:
+            take = min(count, short)
+            spilled = bm.spill(self.running[i], take, written[i])
+            assert spilled, "counted as spillable above"
+            short -= take
+            if not short:
+                break
         return True
 
     def _runs_whole(self, request: Request, num_cached: int) -> bool:
@@ -312,9 +344,21 @@ class Scheduler:
             if self._runs_whole(request, hit.num_tokens):
                 break  # it runs in a step of its own (FCFS: nobody overtakes it)
             num_new = min(request.num_tokens - hit.num_tokens, plan.budget)
-            if bm.allocate_slots(request, num_new, hit.block_ids, hit.host_blocks) is None:
+            if not self._allocate_waiting(request, num_new, hit, plan):
                 break  # FCFS: nobody overtakes the head of the queue
             self._admit(plan, request, hit.num_tokens, num_new, len(hit.host_blocks) * bm.block_size)
+
+    def _allocate_waiting(self, request: Request, num_new: int, hit: PrefixHit, plan: _StepPlan) -> bool:
+        """Blocks for a waiting request's first `num_new` tokens past its prefix hit, spilling long
+        contexts to make room where the pool is short of them."""
+        bm = self.block_manager
+        if bm.allocate_slots(request, num_new, hit.block_ids, hit.host_blocks) is not None:
+            return True
+        short = bm.num_blocks_for(hit.num_tokens + num_new) - len(hit.block_ids) - bm.num_free_blocks
+        return (
+            self._spill_long_contexts(short, plan)
+            and bm.allocate_slots(request, num_new, hit.block_ids, hit.host_blocks) is not None
+        )
 
     def _admit(
         self, plan: _StepPlan, request: Request, num_cached: int, num_new: int, from_host: int = 0

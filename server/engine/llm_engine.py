@@ -72,6 +72,7 @@ class LLMEngine:
                 whole_prompt_tokens=self.shard.whole_prompt_tokens,
                 num_host_blocks=self.shard.num_host_blocks,
                 spill_keep=self.shard.spill_keep,
+                spill_min_context=self.shard.spill_min_context,
             )
         )
         self._grow_host_tier()

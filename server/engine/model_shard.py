@@ -194,7 +194,7 @@ class ModelShard:
             return args.num_blocks
         scratch = self.backend.scratch_blocks  # allocated beyond the block manager's blocks
         if not self._profiles_gpu_memory():
-            memory = args.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
+            memory = (args.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES) - self.host_summary_bytes
             return max(1, num_blocks_for_memory(self.specs, args.block_size, memory) - scratch)
         self.forward.allocate_pool(1, args.block_size, self.device)
         budget_step = self._profile_step(args.max_num_batched_tokens, args.max_num_seqs)
@@ -205,10 +205,8 @@ class ModelShard:
             self._profile_whole_prompt(self._whole_prompt_step())
         self.forward.release_pool()
         logger.info(self.memory_profile.describe())
-        return max(
-            1,
-            num_blocks_for_memory(self.specs, args.block_size, self.memory_profile.kv_budget_bytes) - scratch,
-        )
+        budget = self.memory_profile.kv_budget_bytes - self.host_summary_bytes
+        return max(1, num_blocks_for_memory(self.specs, args.block_size, budget) - scratch)
 
     def _profile_step(self, num_tokens: int, num_seqs: int) -> MemoryProfile:
         """A prefill step of `num_tokens` over `num_seqs` sequences run on this GPU and measured."""
@@ -269,7 +267,8 @@ class ModelShard:
         if self.num_host_blocks:
             self.host_pool = HostKVPool(self.forward.block_tensors(), self.num_host_blocks, self.device)
             if self.spill_keep is not None:
-                self.forward.attach_host_tier(self.host_pool.layer_views(), num_blocks)
+                summaries = self.forward.attach_host_tier(self.host_pool.layer_views(), num_blocks)
+                self.host_pool.keep_on_device(summaries)
         executor = self._choose_executor()
         if self.static_executor is not None and self.buckets.warmup:
             self.static_executor.warm_up(self.args.block_size, self.device)
@@ -303,6 +302,20 @@ class ModelShard:
             return 1, 2
         block_size = self.args.block_size
         return self.selection.sink_blocks(block_size), self.selection.recent_blocks(block_size) + 1
+
+    @property
+    def host_summary_bytes(self) -> int:
+        """Device memory the long-context tier keeps for its host blocks' key summaries (what
+        selection reads of them every step), taken from the KV pool's budget."""
+        if self.spill_keep is None:
+            return 0
+        return self.num_host_blocks * sum(spec.summary_bytes() for spec in self.specs)
+
+    @property
+    def spill_min_context(self) -> int | None:
+        """Contexts past selective decode's threshold read only a budget of their blocks, wherever
+        they lie: they may spill to make room for others. None without spilling or selection."""
+        return None if self.spill_keep is None or self.selection is None else self.selection.min_context
 
     @property
     def num_host_blocks(self) -> int:

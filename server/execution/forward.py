@@ -38,22 +38,27 @@ class ModelForward:
         self.kv_scales = allocate_kv_scales(self.specs, num_blocks, block_size, device)
         self.key_summaries = allocate_key_summaries(self.specs, num_blocks, device)
 
-    def attach_host_tier(self, views: list[torch.Tensor], first: int) -> None:
+    def attach_host_tier(
+        self, views: list[torch.Tensor], first: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The host tier's rows as every layer's pool tensors (`HostKVPool.layer_views`, in
         `block_tensors` order), whose block ids start at `first`: attention reads spilled blocks
-        through them."""
-        rest = iter(views)
+        through them. The host blocks' key summaries are read from device memory instead (block
+        selection scores every block of a context each step: over the link that would be ~1 GB a
+        token at a million tokens of Llama-3-8B); returns them as (device summaries, host blocks'
+        summaries) per layer, for the host pool to keep up to date."""
+        rest, mirrors, self.host_blocks = iter(views), [], []
         per_layer = zip(self.kv_scales or [None] * len(self.kv_caches),
                         self.key_summaries or [None] * len(self.kv_caches), strict=True)  # fmt: skip
-        self.host_blocks = [
-            HostBlocks(
-                first,
-                next(rest),
-                None if scale is None else next(rest),
-                None if summary is None else next(rest),
-            )
-            for scale, summary in per_layer
-        ]
+        for scale, summary in per_layer:
+            cache, host_scale = next(rest), None if scale is None else next(rest)
+            host_summary = None
+            if summary is not None:
+                next(rest)  # the rows' copy of the summaries: what a block loaded back carries
+                host_summary = summary.new_zeros((2, cache.shape[1], *summary.shape[2:]))
+                mirrors.append((summary, host_summary))
+            self.host_blocks.append(HostBlocks(first, cache, host_scale, host_summary))
+        return mirrors
 
     def block_tensors(self) -> list[torch.Tensor]:
         """Every pool tensor indexed by block at dimension 1 ([2, num_blocks, ...]): what one block

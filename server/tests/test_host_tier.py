@@ -13,6 +13,7 @@ from tgserve import LLM, SamplingParams
 from tgserve.server.core.block_manager import BlockManager
 from tgserve.server.core.host_tier import HostTier, KVTransfers
 from tgserve.server.core.request import Request
+from tgserve.server.kv_cache import host_pool
 from tgserve.server.kv_cache.host_pool import HostKVPool
 from tgserve.server.testing.fixtures import fixture_path
 
@@ -76,7 +77,10 @@ def test_an_evicted_prefix_comes_back_from_host_blocks():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
-def test_host_pool_round_trips_every_block_tensor(dtype):
+@pytest.mark.parametrize("staging_blocks", [None, 1])  # everything at once, or a block at a time
+def test_host_pool_round_trips_every_block_tensor(dtype, staging_blocks, monkeypatch):
+    if staging_blocks:
+        monkeypatch.setattr(host_pool, "STAGING_BYTES", 1)
     gen = torch.Generator().manual_seed(0)
     cache = torch.randn(2, 6, 4, 2, 8, generator=gen).to(dtype)
     scales = torch.rand(2, 6, 2, 4, generator=gen)
@@ -108,6 +112,19 @@ def test_host_pool_layer_views_read_the_rows_in_the_pools_own_layout():
     host_scales[1, 4] = 7.0  # the views alias the rows: a load brings what they hold
     pool.apply(KVTransfers(loads=[(4, 7)]))
     assert (scales[1, 7] == 7.0).all()
+
+
+def test_host_pool_keeps_the_host_blocks_summaries_in_device_memory():
+    """What selection reads of host blocks every step stays in device memory: offloads copy each
+    block's summary there too, at its host block."""
+    gen = torch.Generator().manual_seed(2)
+    cache, summary = torch.randn(2, 6, 4, 2, 8, generator=gen), torch.randn(2, 6, 2, 8, generator=gen)
+    pool = HostKVPool([cache, summary], num_blocks=4, device=torch.device("cpu"))
+    on_device = torch.zeros(2, 4, 2, 8)
+    pool.keep_on_device([(summary, on_device)])
+    pool.apply(KVTransfers(offloads=[(5, 3), (1, 0)]))
+    assert torch.equal(on_device[:, 3], summary[:, 5]) and torch.equal(on_device[:, 0], summary[:, 1])
+    assert not on_device[:, 1:3].any()
 
 
 def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:
@@ -206,8 +223,7 @@ def test_a_request_larger_than_the_pool_reads_its_spilled_blocks_from_host(kv_ca
     rng = random.Random(7)
     params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
     model = str(fixture_path("llama"))
-    # The CPU backend: on CUDA only the decode kernel reads host blocks so far, and nothing spills.
-    extra = dict(device="cpu", kv_cache_dtype=kv_cache_dtype)
+    extra: dict = dict(kv_cache_dtype=kv_cache_dtype)
     extra.update(decode_attention_budget=budget, decode_attention_min_context=64)
     large = LLM(model, **{**POOL, "num_blocks": 128}, **extra)
     prompt = [rng.randrange(5, large.engine.vocab_size) for _ in range(436)]
@@ -223,7 +239,7 @@ def test_a_request_larger_than_the_pool_reads_its_spilled_blocks_from_host(kv_ca
 
 def test_a_spilled_request_aborted_mid_decode_leaks_no_block():
     rng = random.Random(8)
-    llm = LLM(str(fixture_path("llama")), kv_offload_gb=HOST_GIB * 2, device="cpu", **POOL)
+    llm = LLM(str(fixture_path("llama")), kv_offload_gb=HOST_GIB * 2, **POOL)
     engine = llm.engine
     prompt = [rng.randrange(5, engine.vocab_size) for _ in range(300)]
     engine.add_request("long", prompt, SamplingParams(temperature=0.0, max_new_tokens=100, ignore_eos=True))
@@ -238,3 +254,28 @@ def test_a_spilled_request_aborted_mid_decode_leaks_no_block():
     stats = engine.stats()
     assert stats.num_free_blocks == stats.num_total_blocks
     assert engine.scheduler.block_manager.host_tier.num_held_blocks == 0
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_contexts_that_together_outgrow_the_pool_run_side_by_side_spilling(prefix_caching):
+    """Three requests of 220 tokens each (prompt and output) against the 192-token pool, long
+    contexts to selective decode (past 64 tokens; a budget that covers them, so exact): rather than
+    preempt one another, they spill each other's cold blocks to the host tier and all run to the
+    end together, with the tokens of a pool that holds them all."""
+    rng = random.Random(9)
+    params = SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True)
+    model = str(fixture_path("llama"))
+    selecting = dict(
+        decode_attention_budget=256, decode_attention_min_context=64, enable_prefix_caching=prefix_caching
+    )
+    large = LLM(model, **{**POOL, "num_blocks": 128}, **selecting)
+    prompts = [[rng.randrange(5, large.engine.vocab_size) for _ in range(200)] for _ in range(3)]
+    want = [out.token_ids for out in large.generate(prompts, params)]
+    # Prompt chunks of 4 blocks: what the others' cold blocks can always make room for.
+    llm = LLM(model, kv_offload_gb=HOST_GIB * 4, **{**POOL, "max_num_batched_tokens": 32}, **selecting)
+    got = [out.token_ids for out in llm.generate(prompts, params)]
+    stats = llm.engine.stats()
+    assert got == want
+    assert stats.host_spilled_blocks >= 2 * 24 and stats.num_preemptions == 0  # twice the pool moved
+    assert stats.num_free_blocks == stats.num_total_blocks
+    assert llm.engine.scheduler.block_manager.host_tier.num_held_blocks == 0

@@ -638,3 +638,19 @@ def test_whole_prompts_longer_than_the_pool_are_chunked_and_spill() -> None:
     sched.add_request(long)
     assert [out.num_scheduled_tokens["long"] for out in run(sched, runner)] == [8, 8, 8, 6, 1, 1]
     assert long.output_token_ids == reference(list(range(30)), 3)
+
+
+def test_a_whole_prompt_spills_a_running_context_to_fit_beside_it() -> None:
+    """Two long contexts that together outgrow the pool, the second a whole prompt: rather than
+    wait for the first to finish, it runs once the first's cold blocks spill to the host tier; as
+    they grow, they spill rather than preempt each other, and both answers are the reference's."""
+    sched, runner = setup(num_blocks=9, max_num_batched_tokens=24, whole_prompt_tokens=20, num_host_blocks=20,
+                          spill_keep=(1, 2), spill_min_context=16)  # fmt: skip
+    sched.grow_host_tier(20)
+    first, second = make("first", list(range(24)), max_new_tokens=6), make("second", list(range(50, 74)), 6)
+    outputs = run(sched, runner, {0: [first], 2: [second]})
+    assert outputs[2].num_scheduled_tokens == {"second": 24}  # whole, one step after it arrived
+    assert sched.stats().host_spilled_blocks >= 6 + 1 - 3 and sched.stats().num_preemptions == 0
+    assert first.output_token_ids == reference(list(range(24)), 6)
+    assert second.output_token_ids == reference(list(range(50, 74)), 6)
+    assert sched.block_manager.num_free_blocks == 9 and sched.block_manager.host_tier.num_held_blocks == 0
