@@ -89,6 +89,20 @@ def serve_one(
     }
 
 
+def each_in_its_own_process(runs: list[str]) -> list[dict]:
+    """This script again for each run (`--one RUN`), so the GPU starts empty for each as a server's
+    would: the JSON line each prints last, echoed; a run that fails is reported and left out."""
+    rows = []
+    for run in runs:
+        done = subprocess.run([sys.executable, *sys.argv, "--one", run], capture_output=True, text=True)
+        if done.returncode != 0:
+            print(run, "failed:", done.stderr[-3000:], flush=True)
+            continue
+        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -119,14 +133,7 @@ def main() -> None:
         )
         print(json.dumps(result), flush=True)
         return
-    rows = []
-    for run in args.runs:
-        done = subprocess.run([sys.executable, *sys.argv, "--one", run], capture_output=True, text=True)
-        if done.returncode != 0:
-            print(run, "failed:", done.stderr[-3000:], flush=True)
-            continue
-        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-        print(json.dumps(rows[-1]), flush=True)
+    rows = each_in_its_own_process(args.runs)
     print("| KV cache | context | decode budget | pool tokens | prefilled whole from | TTFT s | decode ms/token "
           "| peak GiB |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
