@@ -220,6 +220,21 @@ class BlockManager:
 
     # ---- allocation ----------------------------------------------------------------------------
 
+    def num_fitting_tokens(
+        self, request: Request, computed_blocks: list[int] | None = None, host_blocks: list[int] | None = None
+    ) -> int:
+        """How many new tokens `allocate_slots` could give the request now, past its computed tokens
+        and the prefix hit's blocks (`computed_blocks` on the device, `host_blocks` loaded)."""
+        owned = self._req_blocks.get(request.request_id, [])
+        computed, num_loaded = list(computed_blocks or ()), len(host_blocks or ())
+        revived = sum(1 for b in computed if self._blocks[b].ref_count == 0)
+        blocks = len(owned) + len(computed) + self.num_free_blocks - revived
+        return (
+            blocks * self.block_size
+            - request.num_computed_tokens
+            - (len(computed) + num_loaded) * self.block_size
+        )
+
     def allocate_slots(
         self,
         request: Request,

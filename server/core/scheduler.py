@@ -207,9 +207,10 @@ class Scheduler:
                 request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
                 plan.budget,
             )
-            new_blocks = self._allocate_or_preempt(request, num_new, plan)
-            if new_blocks is None:
+            allocated = self._allocate_or_preempt(request, num_new, plan)
+            if allocated is None:
                 break  # it preempted itself: it was the newest, nothing runs after it
+            new_blocks, num_new = allocated
             plan.cached.append(CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens))
             plan.add(request, num_new)
 
@@ -221,20 +222,24 @@ class Scheduler:
             or request.num_tokens + pending >= self._max_len
         )
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, plan: _StepPlan) -> list[int] | None:
-        """Blocks for `request`, preempting the newest running requests until they fit.
+    def _allocate_or_preempt(
+        self, request: Request, num_new: int, plan: _StepPlan
+    ) -> tuple[list[int], int] | None:
+        """Blocks for `request`'s `num_new` tokens, preempting the newest running requests until
+        they fit; returns them and the tokens they are for.
 
         A request finishing on its tokens in flight holds no blocks, so preempting it would free
         nothing: victims are the newest of the others (`request` itself at the latest). Before
         anyone is preempted, long contexts spill cold blocks to the host tier where they can; and
-        rather than preempt itself, a request spills its own.
+        rather than preempt itself, a request spills its own, or, running alone (nobody else will
+        free blocks), takes a shorter prompt chunk.
         Returns None when `request` itself had to be preempted.
         """
         bm = self.block_manager
         while True:
             new_blocks = bm.allocate_slots(request, num_new)
             if new_blocks is not None:
-                return new_blocks
+                return new_blocks, num_new
             owned = len(bm.get_block_ids(request.request_id))
             short = bm.num_blocks_for(request.num_computed_tokens + num_new) - owned - bm.num_free_blocks
             if self._spill_long_contexts(short, plan):
@@ -242,13 +247,29 @@ class Scheduler:
             newest = len(self.running) - 1
             while self._may_finish_on_pending(self.running[newest]):
                 newest -= 1
-            if self.running[newest] is request and bm.spill(request, short):
-                continue
+            if self.running[newest] is request:
+                if bm.spill(request, short):
+                    continue
+                fewer = self._fitting_chunk(request, num_new) if len(self.running) == 1 else 0
+                if fewer:
+                    num_new = fewer
+                    continue
             victim = self.running.pop(newest)
             self._preempt(victim)
             plan.preempted.add(victim.request_id)
             if victim is request:
                 return None
+
+    def _fitting_chunk(self, request: Request, num_new: int) -> int:
+        """Fewer of a request's prompt tokens than `num_new`: as many as the free blocks and its own
+        spillable ones hold; 0 where that is none. (A lone context outgrowing a pool that its chunks
+        alone would fill moves on a smaller chunk rather than preempt itself, again and again.)"""
+        bm = self.block_manager
+        spillable = len(bm.spillable_blocks(request))
+        if spillable:
+            spillable = min(spillable, bm.host_tier.num_holdable_blocks)
+        fit = bm.num_fitting_tokens(request) + spillable * bm.block_size
+        return fit if 0 < fit < num_new else 0
 
     def _preempt(self, request: Request) -> None:
         """Free the request's blocks and requeue it at the front: swapped out to the host tier where
@@ -343,22 +364,29 @@ class Scheduler:
             hit = bm.lookup_prefix(request)
             if self._runs_whole(request, hit.num_tokens):
                 break  # it runs in a step of its own (FCFS: nobody overtakes it)
-            num_new = min(request.num_tokens - hit.num_tokens, plan.budget)
-            if not self._allocate_waiting(request, num_new, hit, plan):
+            num_new = self._allocate_waiting(
+                request, min(request.num_tokens - hit.num_tokens, plan.budget), hit, plan
+            )
+            if not num_new:
                 break  # FCFS: nobody overtakes the head of the queue
             self._admit(plan, request, hit.num_tokens, num_new, len(hit.host_blocks) * bm.block_size)
 
-    def _allocate_waiting(self, request: Request, num_new: int, hit: PrefixHit, plan: _StepPlan) -> bool:
+    def _allocate_waiting(self, request: Request, num_new: int, hit: PrefixHit, plan: _StepPlan) -> int:
         """Blocks for a waiting request's first `num_new` tokens past its prefix hit, spilling long
-        contexts to make room where the pool is short of them."""
+        contexts to make room where the pool is short of them; returns the tokens they are for, 0
+        when none were allocated. With nothing running (nobody to free blocks), a prompt takes a
+        chunk as long as the free blocks hold rather than wait for ever."""
         bm = self.block_manager
         if bm.allocate_slots(request, num_new, hit.block_ids, hit.host_blocks) is not None:
-            return True
+            return num_new
         short = bm.num_blocks_for(hit.num_tokens + num_new) - len(hit.block_ids) - bm.num_free_blocks
-        return (
-            self._spill_long_contexts(short, plan)
-            and bm.allocate_slots(request, num_new, hit.block_ids, hit.host_blocks) is not None
-        )
+        if self._spill_long_contexts(short, plan):
+            if bm.allocate_slots(request, num_new, hit.block_ids, hit.host_blocks) is not None:
+                return num_new
+        fit = bm.num_fitting_tokens(request, hit.block_ids, hit.host_blocks)
+        if self.running or not 0 < fit < num_new:
+            return 0
+        return fit if bm.allocate_slots(request, fit, hit.block_ids, hit.host_blocks) is not None else 0
 
     def _admit(
         self, plan: _StepPlan, request: Request, num_cached: int, num_new: int, from_host: int = 0

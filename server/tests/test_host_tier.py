@@ -237,6 +237,19 @@ def test_a_request_larger_than_the_pool_reads_its_spilled_blocks_from_host(kv_ca
     assert llm.engine.scheduler.block_manager.host_tier.num_held_blocks == 0
 
 
+def test_a_prompt_chunk_longer_than_the_pool_is_shortened_not_left_waiting():
+    """A budget of 256 tokens against the 192-token pool: the lone 300-token prompt's first chunk
+    could never be allocated; it takes what the pool holds, spills, and ends as a larger pool's."""
+    rng = random.Random(10)
+    model = str(fixture_path("llama"))
+    large = LLM(model, **{**POOL, "num_blocks": 128})
+    prompt = [rng.randrange(5, large.engine.vocab_size) for _ in range(300)]
+    want = large.generate([prompt], GREEDY)[0].token_ids
+    llm = LLM(model, kv_offload_gb=HOST_GIB * 2, **{**POOL, "max_num_batched_tokens": 256})
+    assert llm.generate([prompt], GREEDY)[0].token_ids == want
+    assert llm.engine.stats().num_preemptions == 0
+
+
 def test_a_spilled_request_aborted_mid_decode_leaks_no_block():
     rng = random.Random(8)
     llm = LLM(str(fixture_path("llama")), kv_offload_gb=HOST_GIB * 2, **POOL)

@@ -654,3 +654,16 @@ def test_a_whole_prompt_spills_a_running_context_to_fit_beside_it() -> None:
     assert first.output_token_ids == reference(list(range(24)), 6)
     assert second.output_token_ids == reference(list(range(50, 74)), 6)
     assert sched.block_manager.num_free_blocks == 9 and sched.block_manager.host_tier.num_held_blocks == 0
+
+
+def test_a_lone_context_whose_chunks_outgrow_the_pool_takes_shorter_ones() -> None:
+    """A prompt chunk (the budget, 40 tokens) longer than the pool (24 tokens): the request alone
+    takes chunks the free and spillable blocks hold, rather than wait or preempt itself for ever."""
+    sched, runner = setup(num_blocks=6, max_num_batched_tokens=40, num_host_blocks=20, spill_keep=(1, 2))
+    sched.grow_host_tier(20)
+    long = make("long", list(range(50)), max_new_tokens=4)
+    sched.add_request(long)
+    chunks = [out.num_scheduled_tokens["long"] for out in run(sched, runner)]
+    assert chunks[0] == 24 and sum(chunks[:-3]) == 50 and max(chunks) < 40
+    assert long.output_token_ids == reference(list(range(50)), 4) and sched.stats().num_preemptions == 0
+    assert sched.block_manager.num_free_blocks == 6 and sched.block_manager.host_tier.num_held_blocks == 0
