@@ -8,6 +8,8 @@ the parity tests on 4.55). Code elsewhere asks this module instead of checking v
 from __future__ import annotations
 
 import functools
+import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -88,3 +90,36 @@ def fix_gguf_tokenizer(tokenizer: Any, gguf_path: Path) -> None:
         # A property on the tokenizers that rebuild their post-processor when it is set (Llama's).
         if value is not None and isinstance(getattr(type(tokenizer), attribute, None), property):
             setattr(tokenizer, attribute, bool(value))
+
+
+@functools.lru_cache(maxsize=64)
+def checkpoint_renames(model_type: str) -> tuple[tuple[re.Pattern[str], str], ...]:
+    """The renames transformers applies to a model type's checkpoint names as it loads them (5.x's
+    `conversion_mapping`: EXAONE's `transformer.h.N.attn.attention.*` are Llama's
+    `model.layers.N.self_attn.*`), as (pattern, replacement) in order; none on 4.55, which has no
+    such mapping (its model classes carry the checkpoints' own names). Conversions beyond renaming
+    (merged experts, split tensors) are not included: a native model that needed them would name
+    the weights it cannot place."""
+    try:
+        from transformers.conversion_mapping import WeightRenaming, get_checkpoint_conversion_mapping
+    except ImportError:
+        return ()
+    renames = []
+    for transform in get_checkpoint_conversion_mapping(model_type) or ():
+        if isinstance(transform, WeightRenaming):
+            renames.extend(
+                (re.compile(source), target)
+                for source, target in zip(transform.source_patterns, transform.target_patterns, strict=True)
+            )
+    return tuple(renames)
+
+
+def renamed_checkpoint_weights(
+    weights: Iterable[tuple[str, Any]], model_type: str
+) -> Iterator[tuple[str, Any]]:
+    """`weights` ((name, tensor) pairs) under the names transformers gives them (`checkpoint_renames`)."""
+    renames = checkpoint_renames(model_type)
+    for name, tensor in weights:
+        for pattern, target in renames:
+            name = pattern.sub(target, name)
+        yield name, tensor

@@ -10,7 +10,7 @@ from torch import nn
 
 from tgserve.server.distributed.tensor_parallel import tensor_parallel
 from tgserve.server.loading.errors import ModelLoadError
-from tgserve.server.loading.hf_compat import dtype_kwargs
+from tgserve.server.loading.hf_compat import dtype_kwargs, renamed_checkpoint_weights
 from tgserve.server.loading.quantization import (
     check_checkpoint,
     check_quantize,
@@ -130,7 +130,8 @@ def _checkpoint_weights(
     source: ModelSource, config: Any, device: torch.device, allow_pickle: bool
 ) -> Iterator[tuple[str, torch.Tensor]]:
     if source.gguf_file is None:
-        return iter_safetensors(safetensors_files(source, allow_pickle), device)
+        weights = iter_safetensors(safetensors_files(source, allow_pickle), device)
+        return renamed_checkpoint_weights(weights, getattr(config, "model_type", ""))
     return _gguf_weights(source, config)
 
 

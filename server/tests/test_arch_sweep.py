@@ -20,6 +20,7 @@ SAMPLE = [
     ("opt", "OPTForCausalLM"),
     ("deepseek_v2", "DeepseekV2ForCausalLM"),  # latent attention: keys and values of two widths
     ("bloom", "BloomForCausalLM"),  # ALiBi, through the path that bypasses the attention interface
+    ("exaone", "LlamaForCausalLM"),  # native, from a checkpoint in EXAONE's own names (renamed on load)
 ]
 
 
