@@ -91,8 +91,9 @@ class ModelShard:
             args.load_format,
             args.quantize,
         )
-        self.specs = kv_cache_specs(config, cache_dtype, args.tensor_parallel_size)
-        self.selection = self._decode_selection()
+        own_specs = getattr(model, "kv_cache_specs", None)  # a model that keeps other than keys and values
+        self.specs = list(own_specs or kv_cache_specs(config, cache_dtype, args.tensor_parallel_size))
+        self.selection = None if own_specs else self._decode_selection()
         if self.selection is not None:
             self.specs = with_key_summaries(self.specs, dtype)
         self.backend = attention_backend(device, self._sparse_config(), self.selection)

@@ -4,7 +4,9 @@ Models whose attention dispatches through transformers' `AttentionInterface` get
 function registered there: they read and write the paged cache like native models. The few that
 bypass it (e.g. Falcon) call `past_key_values.update()` instead; for them a `PagedCacheAdapter`
 writes the step's keys and values into the paged cache and hands back each sequence's gathered
-context, with a block-diagonal causal mask over the concatenated contexts.
+context, with a block-diagonal causal mask over the concatenated contexts. Those that take no
+cache at all are run over each whole sequence every step, as transformers generates with them
+(`recompute_fallback.py`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import nn
 from tgserve.server.attention.forward_context import get_forward_context, paged_attention
 from tgserve.server.loading.hf_compat import dtype_kwargs
 from tgserve.server.models.paged_cache_adapter import PagedCacheAdapter, packed_context_mask
+from tgserve.server.models.recompute_fallback import RecomputingFallbackModel, is_recomputed
 
 ATTENTION_NAME = "tgserve_paged"
 _registered = False
@@ -131,7 +134,7 @@ def load_fallback_model(
     device: torch.device,
     gguf_file: str | None,
     trust_remote_code: bool,
-) -> TransformersFallbackModel:
+) -> TransformersFallbackModel | RecomputingFallbackModel:
     """Load the HF model with tgserve's attention, or as is for models that bypass the interface."""
     from transformers import AutoModelForCausalLM
 
@@ -147,7 +150,10 @@ def load_fallback_model(
         **dtype_kwargs(dtype),
     )
     refuse_unsupported_attention(hf_model)
-    return TransformersFallbackModel(hf_model.to(device).eval())
+    hf_model = hf_model.to(device).eval()
+    if not supports_attention_interface(type(hf_model)) and is_recomputed(type(hf_model), config.model_type):
+        return RecomputingFallbackModel(hf_model)
+    return TransformersFallbackModel(hf_model)
 
 
 def refuse_unsupported_attention(hf_model: nn.Module) -> None:

@@ -21,6 +21,8 @@ SAMPLE = [
     ("deepseek_v2", "DeepseekV2ForCausalLM"),  # latent attention: keys and values of two widths
     ("bloom", "BloomForCausalLM"),  # ALiBi, through the path that bypasses the attention interface
     ("exaone", "LlamaForCausalLM"),  # native, from a checkpoint in EXAONE's own names (renamed on load)
+    ("openai-gpt", "OpenAIGPTLMHeadModel"),  # no KV cache at all: whole sequences, recomputed
+    ("xlnet", "XLNetLMHeadModel"),  # its own inputs for generation (a permutation mask), recomputed
 ]
 
 

@@ -1,0 +1,78 @@
+"""For HF models with no KV cache to hand over (GPT-1, XLM, XLNet, CPM-Ant): the whole sequence, each step.
+
+transformers generates with such a model by running it over the whole sequence for every token
+(XLM and XLNet through inputs of their own, a mask token or a permutation mask appended by their
+`prepare_inputs_for_generation`). The engine does the same: the paged cache keeps each sequence's
+token ids (one float32 "head" of width 1 a position, exact for ids below 2**24), so chunked
+prefill, prefix caching, preemption and swapping work as for any model, and each logits row is the
+model's last logits over the sequence's tokens up to that row, inputs prepared as `generate`
+prepares them. The cost is a forward over the whole sequence per logits row: fine for the small
+old models that need it, as it is in transformers.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from tgserve.server.attention.forward_context import get_forward_context
+from tgserve.server.kv_cache.spec import KVCacheSpec
+
+# The cache's one layer: a position's token id, exactly (float32 holds integers below 2**24).
+TOKEN_ID_SPEC = KVCacheSpec(num_kv_heads=1, head_dim=1, dtype=torch.float32)
+
+
+# Models that take a `Cache` but attend in ways a paged cache cannot serve, by type and why.
+RECOMPUTED_MODEL_TYPES = {
+    "cpmant": "it attends over prompt tokens it adds to every input itself, with masks of its own making",
+}
+
+
+def is_recomputed(model_class: type, model_type: str) -> bool:
+    """Whether the HF class runs over whole sequences here: its forward takes no `Cache` object (no
+    `use_cache` with a `cache` / `past_key_values` argument: GPT-1 takes neither, XLNet its own
+    `mems`, XLM a legacy dict), or its type is one of RECOMPUTED_MODEL_TYPES."""
+    parameters = inspect.signature(model_class.forward).parameters
+    takes_cache = "use_cache" in parameters and bool({"cache", "past_key_values"} & set(parameters))
+    return not takes_cache or model_type in RECOMPUTED_MODEL_TYPES
+
+
+class RecomputingFallbackModel(nn.Module):
+    """Wraps such a `*LMHeadModel` so that it takes the engine's flat batch: token ids in, each
+    sequence's ids kept in the paged cache, logits of the rows asked for out."""
+
+    kv_cache_specs = [TOKEN_ID_SPEC]
+
+    def __init__(self, hf_model: nn.Module) -> None:
+        super().__init__()
+        self.hf_model = hf_model
+        self.config = hf_model.config
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor
+    ) -> torch.Tensor:
+        ctx, rows = get_forward_context(), logits_indices.tolist()
+        meta, ids = ctx.metadata, ctx.kv_caches[0][0].view(-1)  # [slots]: one token id a slot
+        written = meta.slot_mapping >= 0  # padding rows of a static-shape step write nothing
+        ids[meta.slot_mapping[written]] = input_ids[written].to(ids.dtype)
+        starts, block_size = meta.query_start_loc_cpu, meta.block_size
+        logits = []
+        for row in rows:
+            seq = next(i for i in range(meta.num_seqs) if starts[i] <= row < starts[i + 1])
+            length = meta.seq_lens_cpu[seq] - (starts[seq + 1] - 1 - row)  # tokens up to this row's
+            table = meta.block_tables[seq, : -(-length // block_size)].long()
+            slots = (table[:, None] * block_size + torch.arange(block_size, device=table.device)).view(-1)
+            logits.append(self._last_logits(ids[slots[:length]].long()))
+        if not logits:
+            return torch.empty(0, self.config.vocab_size, device=input_ids.device)
+        return torch.stack(logits)
+
+    def _last_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        inputs: dict[str, Any] = self.hf_model.prepare_inputs_for_generation(
+            tokens[None], use_cache=False, is_first_iteration=True
+        )
+        inputs = {name: value for name, value in inputs.items() if value is not None}
+        return self.hf_model(**inputs).logits[0, -1]
