@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from tgserve.server.core.host_tier import KVTransfers
 
 if TYPE_CHECKING:
-    from tgserve.server.protocol.params import SamplingParams
+    from tgserve.server.protocol.params import GuidedDecoding, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,8 @@ class SchedulerOutput:
     finished_request_ids: requests (finished, aborted or preempted) whose runner state can be dropped.
     sampling_request_ids: the requests that reach their last token this step and get a new one.
     kv_transfers: block copies between the pool and the host tier, run before the step's forward.
+    grammars_to_prepare: guided requests that arrived since the last step, not scheduled yet, whose
+    grammars every runner starts compiling (the engine schedules them once that is done).
     """
 
     scheduled_new_requests: list[NewRequestData] = field(default_factory=list)
@@ -58,6 +60,7 @@ class SchedulerOutput:
     preempted_request_ids: set[str] = field(default_factory=set)
     sampling_request_ids: frozenset[str] = frozenset()
     kv_transfers: KVTransfers = field(default_factory=KVTransfers)
+    grammars_to_prepare: tuple[tuple[str, GuidedDecoding], ...] = ()
 
     @property
     def is_empty(self) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 
 import torch
 
@@ -24,6 +25,7 @@ from tgserve.server.distributed.tensor_parallel import (
     init_tensor_parallel,
     shutdown_tensor_parallel,
 )
+from tgserve.server.engine.grammar_gate import GrammarGate
 from tgserve.server.engine.model_shard import build_shard
 from tgserve.server.engine.shard_workers import WorkerWatch, free_tcp_address, shard_device, start_workers
 from tgserve.server.engine.warm_up import warm_up
@@ -38,6 +40,8 @@ from tgserve.server.sampling.grammar_backends import check_guided_decoding_backe
 from tgserve.server.sampling.guided import GuidedMatchers
 
 logger = logging.getLogger(__name__)
+
+GRAMMAR_WAIT_S = 0.005  # an idle loop's pause for a grammar being compiled
 
 
 class LLMEngine:
@@ -76,6 +80,8 @@ class LLMEngine:
             )
         )
         self._grow_host_tier()
+        self._grammars = GrammarGate()  # guided requests whose grammars are compiling
+        self._dropped_grammars: set[str] = set()  # aborted there: their runners' matchers to drop
         self._last_step = (0, 0)
         self.step_clock = StepClock()  # step durations since start (or the last reset_counters)
         self.async_scheduling = (
@@ -145,14 +151,17 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Validate and queue a request; raises InvalidRequestError naming the problem and the limit."""
         self._validate(request_id, prompt_token_ids)
+        request = Request(request_id, prompt_token_ids, params, self.eos_token_ids)
         if params.guided is not None:
             check_grammar(params.guided)  # a grammar that does not compile never reaches the loop
-        self.scheduler.add_request(Request(request_id, prompt_token_ids, params, self.eos_token_ids))
+            self._grammars.hold(request)  # scheduled once its matcher is built
+        else:
+            self.scheduler.add_request(request)
         if params.prompt_logprobs is not None:
             self._prompt_logprobs[request_id] = []
 
     def _validate(self, request_id: str, prompt: list[int]) -> None:
-        if self.scheduler.get_request(request_id) is not None:
+        if self.scheduler.get_request(request_id) is not None or request_id in self._grammars:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         check_prompt_tokens(prompt, self.vocab_size)
         if len(prompt) >= self.max_model_len:
@@ -169,6 +178,8 @@ class LLMEngine:
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         request_ids = list(request_ids)
+        self._dropped_grammars.update(i for i in request_ids if i in self._grammars)
+        self._grammars.abort(request_ids, self.runner.guided)
         self.scheduler.abort_requests(request_ids)
         for request_id in request_ids:
             self._prompt_logprobs.pop(request_id, None)
@@ -179,13 +190,13 @@ class LLMEngine:
         self._prompt_logprobs.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or len(self._grammars) > 0
 
     def needs_step(self) -> bool:
         """Unfinished requests, finished ones (aborts, stop strings) whose state a step releases, or
         a step in flight whose output is still to be read."""
         return (
-            self.scheduler.has_unfinished_requests()
+            self.has_unfinished_requests()
             or self.scheduler.has_finished_requests()
             or self._in_flight is not None
         )
@@ -200,7 +211,9 @@ class LLMEngine:
         """
         started = time.monotonic()
         self._grow_host_tier()
-        scheduler_output = self.scheduler.schedule()
+        for request in self._grammars.release_ready(self.runner.guided):
+            self.scheduler.add_request(request)
+        scheduler_output = self._with_grammars(self.scheduler.schedule())
         self.tp.broadcast_object(scheduler_output)  # to the other shards, if any
         launched = (scheduler_output, self.runner.launch(scheduler_output), started)
         if not self.async_scheduling:
@@ -208,6 +221,18 @@ class LLMEngine:
         previous = self._in_flight
         self._in_flight = None if scheduler_output.is_empty else launched
         return self._apply(*previous) if previous is not None else []
+
+    def _with_grammars(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
+        """The step's output with the grammars that arrived for every runner to compile, and the
+        requests aborted while theirs compiled; an idle step pauses for a compile rather than spin."""
+        arrived, dropped = self._grammars.take_arrivals(), self._dropped_grammars
+        if scheduler_output.is_empty and len(self._grammars) and not arrived:
+            self.runner.guided.wait_for_any(GRAMMAR_WAIT_S)
+        if not arrived and not dropped:
+            return scheduler_output
+        self._dropped_grammars = set()
+        finished = scheduler_output.finished_request_ids | dropped
+        return replace(scheduler_output, grammars_to_prepare=arrived, finished_request_ids=finished)
 
     def _grow_host_tier(self) -> None:
         """Host memory allocated since the last step (`HostKVPool` allocates it in the background
@@ -273,6 +298,7 @@ class LLMEngine:
         return EngineStats(
             **{
                 **stats.__dict__,
+                "num_waiting": stats.num_waiting + len(self._grammars),  # their grammars compiling
                 "step_num_tokens": tokens,
                 "step_num_seqs": seqs,
                 "host_block_bytes": self.shard.host_block_bytes if self.shard.num_host_blocks else 0,

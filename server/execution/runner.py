@@ -116,6 +116,8 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
         """Queue one step on the device: inputs, forward, sampling, and the copies of its results."""
+        for request_id, spec in scheduler_output.grammars_to_prepare:  # compiled beside the loop
+            self.guided.prepare(request_id, spec)
         if scheduler_output.kv_transfers:  # before anything of this step writes the pool
             self.host_pool.apply(scheduler_output.kv_transfers)
         self._update_states(scheduler_output)

@@ -17,6 +17,11 @@ of SmolLM2 on two CPU cores); unpacking the bits and masking the logits stay in 
 first (as penalties do): with async scheduling, batches with guided requests lose the overlap of
 host and device.
 
+A request's matcher is built (its grammar compiled: ~0.5 ms for a JSON schema with llguidance,
+~6 ms with xgrammar, more for large schemas) on a worker thread from the step after the request
+arrives (`prepare`); the engine schedules the request only once that is done (`is_prepared`), so a
+slow grammar delays its own request, never a step of the batch.
+
 A preempted request keeps its matcher, which still consumes the token that was in flight when it
 was preempted (the scheduler keeps that token too), so a grammar completed by it ends the request
 then. Should the matcher not match the tokens a request comes back with, it is built again from
@@ -27,7 +32,9 @@ sample exactly as before.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,6 +124,9 @@ class GuidedMatchers:
         self._backend_error: Exception | None = None  # why it could not be built: not tried again
         self._eos_ids: list[int] = []
         self._requests: dict[str, _Guided] = {}
+        self._prepared: dict[str, Future] = {}  # matchers being built beside the loop (`prepare`)
+        self._compiler: ThreadPoolExecutor | None = None
+        self._backend_lock = threading.Lock()  # the backend is built once, by whichever thread first
 
     @property
     def vocab_size(self) -> int:
@@ -129,14 +139,36 @@ class GuidedMatchers:
     def __len__(self) -> int:
         return len(self._requests)
 
+    def prepare(self, request_id: str, spec: GuidedDecoding) -> None:
+        """Start building the request's matcher (compiling its grammar) on a worker thread."""
+        if request_id in self._prepared or request_id in self._requests:
+            return
+        if self._compiler is None:
+            self._compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+        self._prepared[request_id] = self._compiler.submit(lambda: self._grammar_backend().matcher(spec))
+
+    def is_prepared(self, request_id: str) -> bool:
+        """Whether the request's matcher is built (or failed to be): `add` takes it without waiting."""
+        future = self._prepared.get(request_id)
+        return future is not None and future.done()
+
+    def wait_for_any(self, timeout_s: float) -> None:
+        """Until one of the matchers being built is done, or `timeout_s` (an idle loop's pause)."""
+        pending = [future for future in self._prepared.values() if not future.done()]
+        if pending:
+            wait(pending, timeout=timeout_s, return_when=FIRST_COMPLETED)
+
     def add(self, request_id: str, spec: GuidedDecoding, output_token_ids: Sequence[int] = ()) -> None:
-        """Build the request's matcher and let it consume the output the request already has; a
-        preempted request coming back keeps the matcher it has when that one has seen its output."""
+        """Take the request's matcher (the one `prepare` built, else one built now) and let it
+        consume the output the request already has; a preempted request coming back keeps the
+        matcher it has when that one has seen its output."""
         kept = self._requests.get(request_id)
         if kept is not None and kept.num_consumed == len(output_token_ids):
+            self._prepared.pop(request_id, None)
             return
+        prepared = self._prepared.pop(request_id, None)
         try:
-            matcher = self._grammar_backend().matcher(spec)
+            matcher = prepared.result() if prepared is not None else self._grammar_backend().matcher(spec)
         except Exception as exc:  # ImportError, a tokenizer the library cannot read, a bad grammar
             self._requests[request_id] = _Guided(None, error=f"{type(exc).__name__}: {exc}")
             logger.warning("request %s: no grammar matcher: %s", request_id, exc)
@@ -147,17 +179,19 @@ class GuidedMatchers:
 
     def remove(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
+        self._prepared.pop(request_id, None)  # a matcher still being built is dropped when done
 
     def _grammar_backend(self) -> Any:
-        if self._backend is None:
-            if self._backend_error is not None:
-                raise self._backend_error
-            try:
-                self._backend = self._build_backend()
-            except Exception as exc:
-                self._backend_error = exc
-                raise
-        return self._backend
+        with self._backend_lock:
+            if self._backend is None:
+                if self._backend_error is not None:
+                    raise self._backend_error
+                try:
+                    self._backend = self._build_backend()
+                except Exception as exc:
+                    self._backend_error = exc
+                    raise
+            return self._backend
 
     def _build_backend(self) -> Any:
         if self._load_tokenizer is None:

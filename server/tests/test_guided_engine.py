@@ -185,3 +185,52 @@ def test_masks_are_computed_beside_the_forward(monkeypatch) -> None:
         steps += bool(engine.step())
     assert threads and all(name.startswith("guided-masks") for name in threads)
     assert len(threads) <= steps + 1  # one call a step, for both requests
+
+
+def test_a_slow_grammar_delays_its_own_request_not_the_batch(monkeypatch) -> None:
+    """A grammar that takes 0.6 s to compile (on top of the grammar library's first use): the
+    batch's steps go on meanwhile, none waiting for it, then the guided request runs to its end."""
+    import time
+
+    from tgserve.server.sampling import grammar_backends
+
+    compile_matcher = grammar_backends.LLGuidanceBackend.matcher
+
+    def slow(self, spec):
+        time.sleep(0.6)
+        return compile_matcher(self, spec)
+
+    monkeypatch.setattr(grammar_backends.LLGuidanceBackend, "matcher", slow)
+    engine = make_engine(False)
+    engine.add_request(
+        "plain", [5, 6, 7], SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True)
+    )
+    engine.step()
+    guided = SamplingParams(temperature=0.0, max_new_tokens=8, guided=GuidedDecoding("regex", r"[a-z]{4}"))
+    engine.add_request("guided", [8, 9, 10], guided)
+    seen, longest_step, plain_while_compiling = {"plain": Seen(), "guided": Seen()}, 0.0, 0
+    while engine.needs_step():
+        start = time.monotonic()
+        outputs = engine.step()
+        longest_step = max(longest_step, time.monotonic() - start)
+        for out in outputs:
+            seen[out.request_id].tokens += out.new_token_ids
+            seen[out.request_id].finish_reason = out.finish_reason
+            plain_while_compiling += out.request_id == "plain" and not seen["guided"].tokens
+        if seen["guided"].finish_reason:
+            engine.abort_requests(["plain"])
+    assert longest_step < 0.3 and plain_while_compiling >= 5
+    assert re.fullmatch(r"[a-z]{4}", text(engine, seen["guided"].tokens)), seen["guided"]
+    assert seen["guided"].finish_reason == "eos_token"
+
+
+def test_a_request_aborted_while_its_grammar_compiles_leaves_nothing_behind() -> None:
+    engine = make_engine(False)
+    params = SamplingParams(temperature=0.0, max_new_tokens=4, guided=GuidedDecoding("regex", r"[a-z]{4}"))
+    engine.add_request("gone", [5, 6, 7], params)
+    engine.step()  # its grammar starts compiling
+    engine.abort_requests(["gone"])
+    while engine.needs_step():
+        assert not engine.step()
+    assert not engine.has_unfinished_requests() and len(engine.runner.guided) == 0
+    engine.add_request("gone", [5, 6, 7], params)  # the id is free again
