@@ -207,7 +207,8 @@ def chosen_positions(
     tables = group.block_ids.view(batch, num_blocks)
     seq_lens = group.query_pos[:, 0] + 1
     summary, cache, scale = layer.key_summary, kv_cache, layer.kv_scale
-    if layer.host is not None:  # blocks on host among them: select over the group's own blocks
+    if layer.host is not None and bool((group.block_ids >= layer.host.first).any()):
+        # Blocks on host among them: select over the group's own blocks.
         summary, cache, scale, tables = _group_blocks(kv_cache, group, layer)
     chosen = dispatch.select_decode_blocks(query, summary, tables, seq_lens, selection, cache, scale)
     keep = chosen_mask(chosen, seq_lens, num_blocks, block_size) | ~group.selected[:, None, None]
