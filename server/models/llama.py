@@ -6,7 +6,7 @@ Qwen3 normalises queries and keys per head, Mistral's window comes through the K
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -17,7 +17,7 @@ from tgserve.kernels import dispatch
 from tgserve.server.attention.forward_context import paged_attention
 from tgserve.server.distributed.tensor_parallel import tensor_parallel
 from tgserve.server.kv_cache.spec import head_dim, num_kv_heads
-from tgserve.server.models.layers import FusedWeightLoader, RMSNorm, RotaryEmbedding
+from tgserve.server.models.layers import FusedWeightLoader, RMSNorm, RotaryEmbedding, rope_parameters
 from tgserve.server.models.parallel_layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -210,9 +210,21 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Flat-batch causal LM: all scheduled tokens of all requests in one [num_tokens] input."""
+    """Flat-batch causal LM: all scheduled tokens of all requests in one [num_tokens] input.
+
+    Llama, Mistral, Qwen2, Qwen3 and Phi-3 (Llama's layers with its projections fused in the
+    checkpoint, `qkv_proj` and `gate_up_proj`, split on load)."""
 
     supports_tensor_parallel = True
+
+    @staticmethod
+    def serves(config: Any) -> bool:
+        """Every configuration but RoPE that this implementation does not compute: scaling whose
+        frequencies change with the sequence's length (Phi-3's `longrope`, dynamic NTK), or rotary
+        over part of each head (`partial_rotary_factor`); transformers' fallback serves those."""
+        rope_type = rope_parameters(config).get("rope_type", "default")
+        partial = float(getattr(config, "partial_rotary_factor", 1.0) or 1.0)
+        return rope_type not in ("longrope", "dynamic") and partial == 1.0
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -251,5 +263,26 @@ class LlamaForCausalLM(nn.Module):
             },
         )
         tied = self.tie_word_embeddings
+        weights = self._unfused(weights, attn)
         loader.load((n, t) for n, t in weights if not (tied and n == "lm_head.weight"))
         loader.check_complete()
+
+    def _unfused(
+        self, weights: Iterable[tuple[str, torch.Tensor]], attn: LlamaAttention
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Checkpoints with fused projections (Phi-3's `qkv_proj`, `gate_up_proj`) as the separate
+        ones the loader places (each shard taking its own rows of each part)."""
+        shards = tensor_parallel().world_size
+        parts = {
+            ".qkv_proj.": ([".q_proj.", ".k_proj.", ".v_proj."],
+                           [s * shards for s in (attn.q_size, attn.kv_size, attn.kv_size)]),
+            ".gate_up_proj.": ([".gate_proj.", ".up_proj."], [self.config.intermediate_size] * 2),
+        }  # fmt: skip
+        for name, tensor in weights:
+            fused = next((f for f in parts if f in name), None)
+            if fused is None:
+                yield name, tensor
+                continue
+            names, sizes = parts[fused]
+            for part, piece in zip(names, tensor.split(sizes, dim=0), strict=True):
+                yield name.replace(fused, part), piece

@@ -51,7 +51,7 @@ def load_model(
     architecture = architecture_name(config)
     check_supported(architecture, trust_remote_code)
     check_attention_layers(config, architecture)
-    native = None if force_fallback else native_model_class(architecture)
+    native = None if force_fallback else native_model_class(architecture, config)
     check_checkpoint(config, source.display_name, native is not None)
     fp8_checkpoint = is_fp8_checkpoint(config)
     check_quantize("fp8" if fp8_checkpoint else quantize, device, native is not None, architecture)

@@ -15,6 +15,7 @@ NATIVE_MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Phi3ForCausalLM": ("llama", "LlamaForCausalLM"),  # fused qkv / gate_up weights, split on load
     "GPTBigCodeForCausalLM": ("gpt_bigcode", "GPTBigCodeForCausalLM"),
 }
 
@@ -42,13 +43,18 @@ def architecture_name(config: Any) -> str:
     return name
 
 
-def native_model_class(architecture: str) -> type | None:
-    """The native implementation of `architecture`, imported on first use; None if there is none."""
+def native_model_class(architecture: str, config: Any = None) -> type | None:
+    """The native implementation of `architecture`, imported on first use; None if there is none,
+    or (given the `config`) if it does not serve this configuration of the architecture (its
+    `serves(config)`: e.g. Phi-3's long-context RoPE, which changes with the sequence's length)."""
     entry = NATIVE_MODELS.get(architecture)
     if entry is None:
         return None
-    module = importlib.import_module(f"tgserve.server.models.{entry[0]}")
-    return getattr(module, entry[1])
+    model_class = getattr(importlib.import_module(f"tgserve.server.models.{entry[0]}"), entry[1])
+    serves = getattr(model_class, "serves", None)
+    if config is not None and serves is not None and not serves(config):
+        return None
+    return model_class
 
 
 def check_supported(architecture: str, trust_remote_code: bool) -> None:

@@ -18,7 +18,7 @@ from torch import nn
 from tgserve.server.loading.errors import ModelLoadError
 from tgserve.server.loading.hf_compat import dtype_kwargs
 from tgserve.server.loading.source import ModelSource, safetensors_files, verify_safetensors
-from tgserve.server.models.registry import NATIVE_MODELS, architecture_name
+from tgserve.server.models.registry import architecture_name, native_model_class
 
 
 def fallback_needed(config: Any, device: torch.device | str) -> bool:
@@ -28,7 +28,9 @@ def fallback_needed(config: Any, device: torch.device | str) -> bool:
     native families run on the paged hpu backend through `LLMEngine`; everything else goes to
     `StaticBatchEngine`. Off a Gaudi, never (the transformers fallback serves those architectures).
     """
-    return torch.device(device).type == "hpu" and architecture_name(config) not in NATIVE_MODELS
+    return (
+        torch.device(device).type == "hpu" and native_model_class(architecture_name(config), config) is None
+    )
 
 
 def load_fallback_model(
