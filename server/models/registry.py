@@ -16,6 +16,7 @@ NATIVE_MODELS: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("llama", "LlamaForCausalLM"),
     "Phi3ForCausalLM": ("llama", "LlamaForCausalLM"),  # fused qkv / gate_up weights, split on load
+    "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
     "GPTBigCodeForCausalLM": ("gpt_bigcode", "GPTBigCodeForCausalLM"),
 }
 

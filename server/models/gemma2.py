@@ -1,0 +1,161 @@
+"""Gemma 2, native: the llama family's fused projections and paged attention, with Gemma's parts.
+
+What differs from Llama: RMSNorm scales by (1 + weight), computed in float32; a norm after
+attention and around the MLP as well as before (four a layer); GELU (tanh) gating; the embeddings
+scaled by sqrt(hidden size); attention scores soft-capped (tanh) and scaled by
+`query_pre_attn_scalar`; every other layer a sliding window (`layer_types`, which the KV cache's
+specs already read); the final logits soft-capped; tied embeddings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+
+from tgserve.server.attention.forward_context import paged_attention
+from tgserve.server.kv_cache.spec import head_dim, num_kv_heads
+from tgserve.server.models.layers import FusedWeightLoader, RotaryEmbedding
+from tgserve.server.models.parallel_layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    lm_head_logits,
+)
+
+
+class GemmaRMSNorm(nn.Module):
+    """x / rms(x) * (1 + weight), in float32, cast back (Gemma's order: Llama casts before scaling)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).type_as(x)
+
+
+class Gemma2Attention(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, num_kv_heads(config)
+        self.head_dim = head_dim(config)
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = ColumnParallelLinear(
+            config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias
+        )
+        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, bias)
+        self.rotary = rotary
+        self.scale = config.query_pre_attn_scalar**-0.5
+        self.softcap = getattr(config, "attn_logit_softcapping", None)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        out = paged_attention(self.layer_idx, q, k, v.reshape(-1, self.num_kv_heads, self.head_dim), self.scale,
+                              self.softcap)  # fmt: skip
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class Gemma2MLP(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [size, size], False)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, False)
+        self.act = ACT2FN[config.hidden_activation]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class Gemma2DecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = Gemma2Attention(config, layer_idx, rotary)
+        self.mlp = Gemma2MLP(config)
+        norm = lambda: GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)  # noqa: E731
+        self.input_layernorm, self.post_attention_layernorm = norm(), norm()
+        self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        attended = self.self_attn(positions, self.input_layernorm(hidden))
+        hidden = hidden + self.post_attention_layernorm(attended)
+        return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
+
+
+class Gemma2Model(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        rotary = RotaryEmbedding(config, head_dim(config))
+        self.layers = nn.ModuleList(
+            Gemma2DecoderLayer(config, i, rotary) for i in range(config.num_hidden_layers)
+        )
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.embed_scale = config.hidden_size**0.5
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        # The scale in the embeddings' dtype first, as transformers rounds it (bf16: 48.0 for 2304).
+        hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(positions, hidden)
+        return self.norm(hidden)
+
+
+class Gemma2ForCausalLM(nn.Module):
+    """Flat-batch causal LM, as the llama family's (one device: no tensor parallelism yet)."""
+
+    supports_tensor_parallel = False
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Gemma2Model(config)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
+        if not self.tie_word_embeddings:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.final_softcap = getattr(config, "final_logit_softcapping", None)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor
+    ) -> torch.Tensor:
+        hidden = self.model(input_ids, positions)[logits_indices]
+        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        logits = lm_head_logits(hidden, weight, self.config.vocab_size)
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        attn = self.model.layers[0].self_attn
+        loader = FusedWeightLoader(
+            self,
+            stacked={
+                "q_proj": ("qkv_proj", 0),
+                "k_proj": ("qkv_proj", 1),
+                "v_proj": ("qkv_proj", 2),
+                "gate_proj": ("gate_up_proj", 0),
+                "up_proj": ("gate_up_proj", 1),
+            },
+            shard_sizes={
+                "qkv_proj": [attn.q_size, attn.kv_size, attn.kv_size],
+                "gate_up_proj": [self.config.intermediate_size] * 2,
+            },
+        )
+        tied = self.tie_word_embeddings
+        loader.load((n, t) for n, t in weights if not (tied and n == "lm_head.weight"))
+        loader.check_complete()

@@ -1,0 +1,95 @@
+"""Families on native layers beyond Llama's own, each against transformers' greedy tokens (tiny,
+random, float32, CPU): Phi-3 (fused checkpoint projections split on load, a sliding window) and
+Gemma 2 (its norms, scaled embeddings, soft-capped attention and logits, alternating windows);
+configurations the native layers do not compute are left to the fallback."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+from tgserve.server.engine.llm import LLM
+from tgserve.server.models.gemma2 import Gemma2ForCausalLM
+from tgserve.server.models.llama import LlamaForCausalLM
+from tgserve.server.models.registry import native_model_class
+from tgserve.server.protocol.params import SamplingParams
+from tgserve.server.testing.arch_sweep import tiny_config
+from tgserve.server.testing.fixtures import _token_ids, _tokenizer_dir, default_cache_dir
+
+NEW_TOKENS = 12
+PROMPTS = [list(range(5, 22)), list(range(5, 13)) + [30, 31]]  # the second hits the first's blocks
+
+
+def saved_tiny_model(model_type: str, architecture: str, directory: Path, **overrides: Any) -> Any:
+    tokenizer_dir = _tokenizer_dir(default_cache_dir())
+    config = tiny_config(model_type, _token_ids(tokenizer_dir))
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    torch.manual_seed(0)
+    model = getattr(transformers, architecture)(config).float().eval()
+    with torch.no_grad():  # norms start at a constant (Gemma's at zero): a mistake there would not show
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(-0.5, 0.5)
+    model.save_pretrained(directory)
+    for file in tokenizer_dir.iterdir():
+        shutil.copy(file, directory / file.name)
+    return model
+
+
+def transformers_tokens(model: Any) -> list[tuple[list[int], list[float]]]:
+    """Greedy tokens and their log-probabilities (from the raw logits: a monotone change of the
+    logits, as a final soft-cap is, shows only there)."""
+    results = []
+    for prompt in PROMPTS:
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                             do_sample=False, pad_token_id=model.config.pad_token_id, output_logits=True,
+                             return_dict_in_generate=True)  # fmt: skip
+        tokens = out.sequences[0, len(prompt) :].tolist()
+        logprobs = [
+            float(torch.log_softmax(step[0], -1)[t]) for step, t in zip(out.logits, tokens, strict=True)
+        ]
+        results.append((tokens, logprobs))
+    return results
+
+
+def engine_tokens(directory: Path, native: type) -> list[tuple[list[int], list[float]]]:
+    llm = LLM(
+        str(directory), dtype="float32", device="cpu", max_num_batched_tokens=8, block_size=8, num_blocks=64
+    )
+    assert type(llm.engine.shard.forward.model) is native
+    params = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+    outputs = [llm.generate([p], params)[0] for p in PROMPTS]
+    return [(out.token_ids, [entry.logprob for entry in out.logprobs]) for out in outputs]
+
+
+@pytest.mark.parametrize(
+    "model_type,architecture,native,overrides",
+    [
+        # A window shorter than the prompts: it decides what is attended.
+        ("phi3", "Phi3ForCausalLM", LlamaForCausalLM, {"sliding_window": 6}),
+        # Caps low enough to bend random weights' scores and logits; windows on every other layer.
+        ("gemma2", "Gemma2ForCausalLM", Gemma2ForCausalLM,
+         {"sliding_window": 6, "attn_logit_softcapping": 0.02, "final_logit_softcapping": 2.0}),
+    ],
+)  # fmt: skip
+def test_a_native_family_gives_transformers_tokens(tmp_path, model_type, architecture, native, overrides):
+    model = saved_tiny_model(model_type, architecture, tmp_path, **overrides)
+    got, want = engine_tokens(tmp_path, native), transformers_tokens(model)
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in want]
+    for (_, got_logprobs), (_, want_logprobs) in zip(got, want, strict=True):
+        assert got_logprobs == pytest.approx(want_logprobs, abs=1e-4)
+
+
+def test_phi3_with_long_context_rope_is_left_to_the_fallback():
+    config = transformers.Phi3Config(
+        hidden_size=64, num_attention_heads=4, original_max_position_embeddings=64, max_position_embeddings=256,
+        rope_scaling={"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8},
+    )  # fmt: skip
+    assert native_model_class("Phi3ForCausalLM", config) is None
+    assert native_model_class("Phi3ForCausalLM", transformers.Phi3Config()) is LlamaForCausalLM
