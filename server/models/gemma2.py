@@ -17,6 +17,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from tgserve.server.attention.forward_context import paged_attention
+from tgserve.server.distributed.tensor_parallel import tensor_parallel
 from tgserve.server.kv_cache.spec import head_dim, num_kv_heads
 from tgserve.server.models.layers import FusedWeightLoader, RotaryEmbedding
 from tgserve.server.models.parallel_layers import (
@@ -46,14 +47,15 @@ class Gemma2Attention(nn.Module):
     def __init__(self, config: Any, layer_idx: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, num_kv_heads(config)
+        tp = tensor_parallel()  # this shard's heads, as the llama family splits them
+        self.num_heads = tp.divide(config.num_attention_heads, "attention heads")
+        self.num_kv_heads = tp.divide(num_kv_heads(config), "KV heads")
         self.head_dim = head_dim(config)
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        full_q, full_kv = self.q_size * tp.world_size, self.kv_size * tp.world_size
         bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = ColumnParallelLinear(
-            config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias
-        )
-        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, bias)
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, [full_q, full_kv, full_kv], bias)
+        self.o_proj = RowParallelLinear(full_q, config.hidden_size, bias)
         self.rotary = rotary
         self.scale = config.query_pre_attn_scalar**-0.5
         self.softcap = getattr(config, "attn_logit_softcapping", None)
@@ -117,9 +119,9 @@ class Gemma2Model(nn.Module):
 
 
 class Gemma2ForCausalLM(nn.Module):
-    """Flat-batch causal LM, as the llama family's (one device: no tensor parallelism yet)."""
+    """Flat-batch causal LM, as the llama family's, tensor-parallel as it is."""
 
-    supports_tensor_parallel = False
+    supports_tensor_parallel = True
 
     def __init__(self, config: Any) -> None:
         super().__init__()

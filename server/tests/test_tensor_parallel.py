@@ -1,5 +1,6 @@
-"""Tensor-parallel llama-family models on CPU: two shards (two processes, gloo) compute the logits
-of the unsharded model, for untied (llama) and tied, per-head-normed (qwen3) fixtures."""
+"""Tensor-parallel native models on CPU: two shards (two processes, gloo) compute the logits of the
+unsharded model, for untied (llama) and tied, per-head-normed (qwen3) fixtures, Gemma 2 and Phi-3
+(its fused checkpoint projections split per shard)."""
 
 from __future__ import annotations
 
@@ -72,12 +73,15 @@ def sharded_logits(path: str, quantize: str | None = None) -> dict[int, torch.Te
     return {rank: torch.from_numpy(logits) for rank, logits in got.items()}
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "phi3"])
 def test_two_shards_compute_the_unsharded_logits(arch: str) -> None:
     path = str(fixture_path(arch))
     expected = prompt_logits(path)
+    # Shards sum each row-parallel product in two halves: float32 rounds differently, and Gemma's
+    # four norms a layer (weights near 3 in its fixture) carry that to ~1e-4 on logits up to ~12.
+    tolerance = 5e-4 if arch == "gemma2" else 1e-5
     for logits in sharded_logits(path).values():
-        torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(logits, expected, atol=tolerance, rtol=tolerance)
 
 
 @pytest.mark.parametrize("source", ["--quantize fp8", "fp8 checkpoint"])
