@@ -64,9 +64,13 @@ class RotaryEmbedding(nn.Module):
     (memoised on the positions tensor, which the runner makes anew each step).
     """
 
-    def __init__(self, config: Any, head_dim: int) -> None:
+    def __init__(
+        self, config: Any, head_dim: int, frequencies: tuple[torch.Tensor, float] | None = None
+    ) -> None:
+        """frequencies: (inverse frequencies, cos/sin scaling) where the model computes its own
+        (per layer type, as Gemma 3's); else read off the config (`rope_inverse_frequencies`)."""
         super().__init__()
-        inv_freq, self.scaling = rope_inverse_frequencies(config, head_dim)
+        inv_freq, self.scaling = frequencies or rope_inverse_frequencies(config, head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._memo: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 

@@ -59,7 +59,7 @@ def load_model(
     if shards > 1 and not getattr(native, "supports_tensor_parallel", False):
         raise ModelLoadError(
             f"{architecture} cannot be split across --num-shard {shards} devices: tensor parallelism "
-            "covers the llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3) and Gemma 2; serve it with --num-shard 1"
+            "covers the llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3) and Gemma 2 / 3; serve it with --num-shard 1"
         )
     if native is None and load_format == "dummy":
         raise ModelLoadError(f"load_format 'dummy' needs a native architecture; {architecture} is not one")

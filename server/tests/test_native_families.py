@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from tgserve.server.engine.llm import LLM
-from tgserve.server.models.gemma2 import Gemma2ForCausalLM
+from tgserve.server.models.gemma import GemmaForCausalLM
 from tgserve.server.models.llama import LlamaForCausalLM
 from tgserve.server.models.registry import native_model_class
 from tgserve.server.protocol.params import SamplingParams
@@ -74,8 +74,13 @@ def engine_tokens(directory: Path, native: type) -> list[tuple[list[int], list[f
         # A window shorter than the prompts: it decides what is attended.
         ("phi3", "Phi3ForCausalLM", LlamaForCausalLM, {"sliding_window": 6}),
         # Caps low enough to bend random weights' scores and logits; windows on every other layer.
-        ("gemma2", "Gemma2ForCausalLM", Gemma2ForCausalLM,
+        ("gemma2", "Gemma2ForCausalLM", GemmaForCausalLM,
          {"sliding_window": 6, "attn_logit_softcapping": 0.02, "final_logit_softcapping": 2.0}),
+        # Query and key norms, a RoPE per layer type: bases far apart, the global one scaled.
+        ("gemma3_text", "Gemma3ForCausalLM", GemmaForCausalLM,
+         {"sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"], "rope_parameters": {
+             "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+             "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000.0}}}),
     ],
 )  # fmt: skip
 def test_a_native_family_gives_transformers_tokens(tmp_path, model_type, architecture, native, overrides):

@@ -1,10 +1,13 @@
-"""Gemma 2, native: the llama family's fused projections and paged attention, with Gemma's parts.
+"""Gemma 2 and Gemma 3 (text), native: the llama family's fused projections and paged attention,
+with Gemma's parts.
 
 What differs from Llama: RMSNorm scales by (1 + weight), computed in float32; a norm after
 attention and around the MLP as well as before (four a layer); GELU (tanh) gating; the embeddings
-scaled by sqrt(hidden size); attention scores soft-capped (tanh) and scaled by
-`query_pre_attn_scalar`; every other layer a sliding window (`layer_types`, which the KV cache's
-specs already read); the final logits soft-capped; tied embeddings.
+scaled by sqrt(hidden size); attention scaled by `query_pre_attn_scalar`; sliding-window layers
+among full ones (`layer_types`, which the KV cache's specs already read); tied embeddings. Gemma 2
+soft-caps the attention scores and the final logits (tanh). Gemma 3 norms each head's queries and
+keys, and rotates them with a RoPE of its own per layer type (local layers a base of 10,000,
+global ones 1,000,000, some models' global ones scaled linearly).
 """
 
 from __future__ import annotations
@@ -43,7 +46,41 @@ class GemmaRMSNorm(nn.Module):
         return (normed * (1.0 + self.weight.float())).type_as(x)
 
 
-class Gemma2Attention(nn.Module):
+def is_gemma3(config: Any) -> bool:
+    return config.model_type in ("gemma3_text", "gemma3")
+
+
+def layer_rotaries(config: Any) -> list[RotaryEmbedding]:
+    """Each layer's RoPE: one for all (Gemma 2); one per layer type (Gemma 3), shared by its layers."""
+    dim = head_dim(config)
+    if not is_gemma3(config):
+        return [RotaryEmbedding(config, dim)] * config.num_hidden_layers
+    by_type = {kind: RotaryEmbedding(config, dim, gemma3_frequencies(config, kind, dim))
+               for kind in set(config.layer_types)}  # fmt: skip
+    return [by_type[kind] for kind in config.layer_types[: config.num_hidden_layers]]
+
+
+def gemma3_frequencies(config: Any, layer_type: str, dim: int) -> tuple[torch.Tensor, float]:
+    """A Gemma 3 layer type's inverse frequencies: transformers 5's `rope_parameters[layer_type]`,
+    or 4.x's `rope_local_base_freq` (sliding layers) and `rope_theta` with `rope_scaling` (full
+    ones). Default and linear RoPE, the types Gemma 3 uses; others are refused by name."""
+    params = getattr(config, "rope_parameters", None)
+    if params and layer_type in params:
+        params = dict(params[layer_type])
+    elif layer_type == "sliding_attention":
+        params = {"rope_type": "default", "rope_theta": config.rope_local_base_freq}
+    else:
+        scaling = dict(getattr(config, "rope_scaling", None) or {})
+        params = {"rope_type": scaling.get("rope_type", scaling.get("type", "default")),
+                  "factor": scaling.get("factor", 1.0), "rope_theta": config.rope_theta}  # fmt: skip
+    rope_type = params.get("rope_type", "default")
+    if rope_type not in ("default", "linear"):
+        raise ValueError(f"Gemma 3 with {rope_type} RoPE on its {layer_type} layers is not supported")
+    inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    return (inv_freq / params["factor"] if rope_type == "linear" else inv_freq), 1.0
+
+
+class GemmaAttention(nn.Module):
     def __init__(self, config: Any, layer_idx: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -59,18 +96,23 @@ class Gemma2Attention(nn.Module):
         self.rotary = rotary
         self.scale = config.query_pre_attn_scalar**-0.5
         self.softcap = getattr(config, "attn_logit_softcapping", None)
+        qk_norm = is_gemma3(config)
+        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         out = paged_attention(self.layer_idx, q, k, v.reshape(-1, self.num_kv_heads, self.head_dim), self.scale,
                               self.softcap)  # fmt: skip
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
-class Gemma2MLP(nn.Module):
+class GemmaMLP(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         size = config.intermediate_size
@@ -83,11 +125,11 @@ class Gemma2MLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
-class Gemma2DecoderLayer(nn.Module):
+class GemmaDecoderLayer(nn.Module):
     def __init__(self, config: Any, layer_idx: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.self_attn = Gemma2Attention(config, layer_idx, rotary)
-        self.mlp = Gemma2MLP(config)
+        self.self_attn = GemmaAttention(config, layer_idx, rotary)
+        self.mlp = GemmaMLP(config)
         norm = lambda: GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)  # noqa: E731
         self.input_layernorm, self.post_attention_layernorm = norm(), norm()
         self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
@@ -98,13 +140,13 @@ class Gemma2DecoderLayer(nn.Module):
         return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
 
 
-class Gemma2Model(nn.Module):
+class GemmaModel(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        rotary = RotaryEmbedding(config, head_dim(config))
+        rotaries = layer_rotaries(config)
         self.layers = nn.ModuleList(
-            Gemma2DecoderLayer(config, i, rotary) for i in range(config.num_hidden_layers)
+            GemmaDecoderLayer(config, i, rotaries[i]) for i in range(config.num_hidden_layers)
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.embed_scale = config.hidden_size**0.5
@@ -118,15 +160,16 @@ class Gemma2Model(nn.Module):
         return self.norm(hidden)
 
 
-class Gemma2ForCausalLM(nn.Module):
-    """Flat-batch causal LM, as the llama family's, tensor-parallel as it is."""
+class GemmaForCausalLM(nn.Module):
+    """Flat-batch causal LM (Gemma 2, Gemma 3's text model), as the llama family's, tensor-parallel
+    as it is."""
 
     supports_tensor_parallel = True
 
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
-        self.model = Gemma2Model(config)
+        self.model = GemmaModel(config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
         if not self.tie_word_embeddings:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
