@@ -195,6 +195,13 @@ FLAGS: tuple[Flag, ...] = (
     Flag("huggingface-hub-cache", str, None, "Hub cache directory (default: $HF_HOME/hub)"),
     Flag("health-timeout", float, 5.0, "Seconds /health waits for the engine loop to answer"),
     Flag(
+        "engine-stall-timeout",
+        float,
+        300.0,
+        "Seconds the engine loop may send nothing (one step, or a stopped process) before it is killed, "
+        "its requests failed and the server exits non-zero (0: never)",
+    ),
+    Flag(
         "compute-type", str, None, "What TGI's x-compute-type header reports (default: the engine's device)"
     ),
     Flag("log-level", str, "info", "debug, info, warning or error"),

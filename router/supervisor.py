@@ -3,7 +3,9 @@ non-zero when the engine dies (so that a container restarts).
 
 The router process runs one asyncio loop: the ZMQ client, uvicorn, and a watcher of the engine
 process. The engine is `python -m tgserve.server.engine.service`, a child that connects back to
-the router's ipc:// sockets and exits by itself if the router disappears.
+the router's ipc:// sockets and exits by itself if the router disappears. An engine that is alive
+but silent (stopped, or stuck in one step) for --engine-stall-timeout seconds is killed, and is then
+handled as one that died.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ logger = logging.getLogger("tgserve.launcher")
 
 WATCH_PERIOD_S = 0.05  # how often the engine process is checked: /health turns 503 well within a second
 ERROR_FLUSH_S = 0.3  # after the engine died, time for streams to send their error events before exit
+STALL_PING_S = 1.0  # a silent engine's last chance to answer, in case the router's own loop was late
 PROGRESS_PERIOD_S = 10.0
 
 
@@ -102,15 +105,30 @@ class _Server(uvicorn.Server):
 
 
 async def watch_engine(
-    process: subprocess.Popen[bytes], client: EngineClient, server: uvicorn.Server
+    process: subprocess.Popen[bytes], client: EngineClient, server: uvicorn.Server, stall_timeout_s: float
 ) -> bool:
-    """Return True (after failing every request and stopping the server) if the engine process exits."""
+    """Return True (after failing every request and stopping the server) if the engine process exits,
+    or is killed for having stalled."""
     while process.poll() is None:
         await asyncio.sleep(WATCH_PERIOD_S)
+        if await engine_stalled(client, stall_timeout_s):
+            # A stopped or hung engine never exits by itself: without this, requests would wait for
+            # ever and the launcher would never exit for the container to be restarted.
+            client.fail(f"the engine loop sent nothing for {stall_timeout_s:g}s and was killed")
+            process.kill()
+            await asyncio.to_thread(process.wait)
     client.fail(f"the engine process exited with status {process.returncode}")
     await asyncio.sleep(ERROR_FLUSH_S)
     server.should_exit = True
     return True
+
+
+async def engine_stalled(client: EngineClient, stall_timeout_s: float) -> bool:
+    """True when the engine loop, which reports at least every step and every idle heartbeat, has sent
+    nothing for stall_timeout_s (0: never checked) and does not answer a ping either."""
+    if stall_timeout_s <= 0 or time.monotonic() - client.last_message_at < stall_timeout_s:
+        return False
+    return not await client.ping(STALL_PING_S)
 
 
 def build_state(
@@ -200,7 +218,7 @@ async def _serve_on(
         lifespan="off",
     )
     server = _Server(uvicorn_config)
-    watcher = asyncio.create_task(watch_engine(process, client, server))
+    watcher = asyncio.create_task(watch_engine(process, client, server, args.engine_stall_timeout))
     try:
         await server.serve(sockets=[http_socket])
     except SystemExit:  # uvicorn exits this way when it cannot start serving
