@@ -53,8 +53,9 @@ test-compat: $(COMPAT_STAMP)
 test-arch: install
 	$(PY) -m tgserve.server.testing.arch_sweep --out docs/architectures.md
 
-# The reliability suite, apart from `make test` (minutes, against 127.0.0.1 only): schema fuzzing of
-# every route (integration-tests/reliability; what held is in docs/reliability.md).
+# The reliability suite, apart from `make test` (against 127.0.0.1 only): schema fuzzing of every
+# route, overload, faults, and a steady-rate soak of SOAK_SECONDS (600 by default, so the suite takes
+# a quarter of an hour or more); integration-tests/reliability, what held is in docs/reliability.md.
 reliability: install
 	$(PY) -m pytest -q -s -o addopts="--import-mode=importlib -ra" integration-tests/reliability
 

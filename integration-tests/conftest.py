@@ -84,6 +84,17 @@ class ServerProcess:
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
         return {f.name: f.samples[0].value for f in text_string_to_metric_families(text) if f.samples}
 
+    def sample(self, name: str, **labels: str) -> float:
+        """One sample of /metrics by its name and labels (a labelled counter such as
+        `tgi_request_failure{err="aborted"}`), 0 when the server has not written it yet. The parser
+        names counters' samples `<name>_total` whether or not the text does (TGI's do not)."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in (name, f"{name}_total") and sample.labels == labels:
+                    return sample.value
+        return 0.0
+
     def wait_until_idle(self, timeout_s: float = 20.0) -> dict[str, float]:
         """The engine pushes stats while idle: the gauges once they show no work and every block
         free (or as they are after `timeout_s`)."""
@@ -157,6 +168,17 @@ def tiny_model() -> str:
 def tiny_server(start_server, tiny_model: str) -> ServerProcess:
     """The tiny random Llama, with an API key and small token limits (bad-input tests use them)."""
     return start_server(["--model-id", tiny_model, *TINY_ARGS], api_key=API_KEY, name="tiny")
+
+
+@pytest.fixture(scope="session")
+def start_tiny_server(start_server, tiny_model: str):
+    """start_tiny_server(*flags, name="tiny"): a server of its own on the tiny Llama, with tiny_server's
+    API key and token limits, then `flags` (given again, a flag overrides its TINY_ARGS value)."""
+
+    def start(*flags: str, name: str = "tiny") -> ServerProcess:
+        return start_server(["--model-id", tiny_model, *TINY_ARGS, *flags], api_key=API_KEY, name=name)
+
+    return start
 
 
 @pytest.fixture(scope="session")
