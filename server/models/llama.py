@@ -284,5 +284,8 @@ class LlamaForCausalLM(nn.Module):
                 yield name, tensor
                 continue
             names, sizes = parts[fused]
-            for part, piece in zip(names, tensor.split(sizes, dim=0), strict=True):
+            # A scale of the whole fused tensor (an fp8 checkpoint's per-tensor one) is each part's.
+            whole = tensor.dim() == 0 or tensor.shape[0] != sum(sizes)
+            pieces = [tensor] * len(names) if whole else tensor.split(sizes, dim=0)
+            for part, piece in zip(names, pieces, strict=True):
                 yield name.replace(fused, part), piece

@@ -39,7 +39,7 @@ def _marked_quantized(arch: str, tmp_path: Path, quantization: dict) -> Path:
     return target
 
 
-@pytest.mark.parametrize("arch", ["llama", "phi3"])  # native, and through transformers
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])  # native, and through transformers
 @pytest.mark.parametrize("method", ["awq", "fp8", "compressed-tensors"])
 def test_checkpoints_quantized_otherwise_are_refused_by_name(arch: str, method: str, tmp_path: Path) -> None:
     # Before this check, the transformers path loaded an fp8 checkpoint's weights as plain ones
@@ -56,13 +56,14 @@ def test_checkpoints_quantized_otherwise_are_refused_by_name(arch: str, method: 
         LLM(str(model), num_blocks=16)
 
 
-def test_an_fp8_checkpoint_loads_its_rows_and_scales_as_they_are(tmp_path: Path) -> None:
+@pytest.mark.parametrize("arch", ["llama", "phi3"])  # Phi-3's checkpoint fuses qkv and gate/up
+def test_an_fp8_checkpoint_loads_its_rows_and_scales_as_they_are(arch: str, tmp_path: Path) -> None:
     """Per-row scales: the checkpoint holds what --quantize fp8 computes from the unquantized
     fixture, so the two engines hold the same fp8 weights and give the same log-probabilities."""
     checkpoint = LLM(
-        str(write_fp8_checkpoint(fixture_path("llama"), tmp_path / "fp8", "channel")), num_blocks=32
+        str(write_fp8_checkpoint(fixture_path(arch), tmp_path / "fp8", "channel")), num_blocks=32
     )
-    quantized = LLM(str(fixture_path("llama")), quantize="fp8", num_blocks=32)
+    quantized = LLM(str(fixture_path(arch)), quantize="fp8", num_blocks=32)
     mine, theirs = (
         dict(llm.engine.runner.forward.model.named_parameters()) for llm in (checkpoint, quantized)
     )
@@ -83,6 +84,13 @@ def test_an_fp8_checkpoint_loads_its_rows_and_scales_as_they_are(tmp_path: Path)
 def test_an_fp8_checkpoint_with_a_scale_per_tensor_repeats_it_for_each_row(
     layout: str, tmp_path: Path
 ) -> None:
+    # Phi-3's checkpoint has one scale for its fused qkv_proj: each of q, k and v takes it.
+    phi3 = LLM(
+        str(write_fp8_checkpoint(fixture_path("phi3"), tmp_path / "phi3-fp8", "tensor", layout)),
+        num_blocks=32,
+    )
+    fused = phi3.engine.runner.forward.model.get_parameter("model.layers.0.self_attn.qkv_proj.weight_scale")
+    assert (fused == fused[0]).all() and len(phi3.generate(["Once upon a time"], GREEDY)[0].token_ids) == 8
     checkpoint = write_fp8_checkpoint(fixture_path("llama"), tmp_path / "fp8", "tensor", layout)
     llm = LLM(str(checkpoint), num_blocks=32)
     scales = llm.engine.runner.forward.model.get_parameter("model.layers.0.self_attn.qkv_proj.weight_scale")
@@ -98,7 +106,10 @@ def test_an_fp8_checkpoint_with_a_scale_per_tensor_repeats_it_for_each_row(
 
 def test_fp8_checkpoints_need_the_native_path_and_fp8_projections(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="fp8 checkpoints load natively"):
-        LLM(str(write_fp8_checkpoint(fixture_path("phi3"), tmp_path / "phi3-fp8", "channel")), num_blocks=16)
+        LLM(
+            str(write_fp8_checkpoint(fixture_path("mixtral"), tmp_path / "mixtral-fp8", "channel")),
+            num_blocks=16,
+        )
     mixed = write_fp8_checkpoint(fixture_path("llama"), tmp_path / "fp8", "channel")
     (file,) = mixed.glob("*.safetensors")
     tensors = load_file(file)
@@ -122,8 +133,8 @@ def test_a_quantization_config_is_read_from_dicts_and_config_objects() -> None:
 def test_unknown_quantize_methods_and_the_transformers_path_are_refused() -> None:
     with pytest.raises(ModelLoadError, match="--quantize must be one of fp8; got 'awq'"):
         LLM(str(fixture_path("llama")), quantize="awq", num_blocks=16)
-    with pytest.raises(ModelLoadError, match="Phi3ForCausalLM runs through transformers"):
-        LLM(str(fixture_path("phi3")), quantize="fp8", num_blocks=16)
+    with pytest.raises(ModelLoadError, match="MixtralForCausalLM runs through transformers"):
+        LLM(str(fixture_path("mixtral")), quantize="fp8", num_blocks=16)
 
 
 def test_fp8_layers_hold_fp8_rows_and_compute_close_to_the_full_product() -> None:
