@@ -18,11 +18,23 @@ from tgserve.server.protocol.params import GuidedDecoding
 STRICT = ConfigDict(extra="ignore", strict=True)
 
 
+def _nulls_allowed(schema: dict[str, Any]) -> None:
+    """/openapi.json says what the server takes: null for any optional field, meaning "not given"
+    (`_null_means_not_given`; a required one must be given)."""
+    required = set(schema.get("required", ()))
+    for name, field_schema in schema.get("properties", {}).items():
+        if name in required:
+            continue
+        variants = field_schema.get("anyOf", [field_schema])
+        if not any(variant.get("type") == "null" for variant in variants):
+            schema["properties"][name] = {"anyOf": [field_schema, {"type": "null"}]}
+
+
 class OpenAIRequest(BaseModel):
     """OpenAI's schema lets its optional fields be null, meaning "not given": clients that forward
     optional arguments send `"n": null`, `"logprobs": null`. Such a field takes its default."""
 
-    model_config = STRICT
+    model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra=_nulls_allowed)
 
     @model_validator(mode="before")
     @classmethod
@@ -59,8 +71,15 @@ class SamplingFields(OpenAIRequest):
     response_format: ResponseFormat | None = None
 
 
+def _not_empty(schema: dict[str, Any]) -> None:
+    """Every form of a prompt at least one character or item long (an empty one is refused once
+    tokenized: there is nothing to continue)."""
+    for variant in schema.get("anyOf", [schema]):
+        variant.update({"minLength": 1} if variant.get("type") == "string" else {"minItems": 1})
+
+
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(json_schema_extra=_not_empty)
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0)
     echo: bool = False

@@ -103,6 +103,19 @@ def with_request_bodies(schema: dict[str, Any]) -> dict[str, Any]:
     return schema
 
 
+# One server-sent event of a stream (as schema checkers read a text/event-stream body): its `data`
+# is one JSON chunk, or OpenAI's closing `[DONE]`.
+SSE_EVENT = {
+    "type": "object",
+    "properties": {
+        "data": {"type": "string"},
+        "event": {"type": "string"},
+        "id": {"type": "string"},
+        "retry": {"type": "integer"},
+    },
+}
+
+
 def with_responses(schema: dict[str, Any]) -> dict[str, Any]:
     """Every operation's error statuses in its family's shape, its streams and non-JSON bodies."""
     components = schema.setdefault("components", {}).setdefault("schemas", {})
@@ -118,7 +131,7 @@ def with_responses(schema: dict[str, Any]) -> dict[str, Any]:
                 ok["content"] = {TEXT_OK[path]: {"schema": {"type": "string"}}}
             elif path in STREAMING and method == "post":
                 ok.setdefault("content", {"application/json": {"schema": {}}})
-                ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+                ok["content"]["text/event-stream"] = {"schema": SSE_EVENT}
             responses.update(_errors(path, method))
     return schema
 

@@ -41,7 +41,8 @@ class TGIParameters(BaseModel):
 class TGIRequest(BaseModel):
     model_config = STRICT
 
-    inputs: str
+    # An empty prompt is refused once tokenized (nothing to continue); the schema says so too.
+    inputs: str = Field(json_schema_extra={"minLength": 1})
     parameters: TGIParameters = Field(default_factory=TGIParameters)
     stream: bool = False
 

@@ -279,6 +279,23 @@ async def test_openapi_documents_every_response(tokenizer_dir, tokenizer):
     }
 
 
+async def test_openapi_states_what_bodies_the_server_takes(tokenizer_dir, tokenizer):
+    """The schema a fuzzer generates bodies from: no empty prompt, null for any optional OpenAI
+    field (read as not given) but not for a required one, and streams as server-sent events."""
+    _, http = build(tokenizer_dir, tokenizer)
+    document = (await http.get("/openapi.json")).json()
+    schemas = document["components"]["schemas"]
+    assert schemas["TGIRequest"]["properties"]["inputs"]["minLength"] == 1
+    completion = schemas["CompletionRequest"]["properties"]
+    prompt_forms = completion["prompt"]["anyOf"]
+    assert all(form.get("minLength") == 1 or form.get("minItems") == 1 for form in prompt_forms)
+    assert {"type": "null"} in completion["n"]["anyOf"]
+    assert "messages" in schemas["ChatCompletionRequest"]["required"]
+    assert {"type": "null"} not in schemas["ChatCompletionRequest"]["properties"]["messages"].get("anyOf", [])
+    stream = document["paths"]["/generate_stream"]["post"]["responses"]["200"]["content"]["text/event-stream"]
+    assert stream["schema"]["properties"]["data"] == {"type": "string"}
+
+
 async def test_decoder_input_details_alone_brings_the_details(tokenizer_dir, tokenizer):
     """As TGI: asking for the prompt's details is asking for details."""
     _, http = build(tokenizer_dir, tokenizer)
