@@ -78,6 +78,31 @@ def tiny_config(model_type: str, ids: Any) -> Any:
     return AutoConfig.for_model(model_type, **sizes, **decoder, **ids.as_kwargs())
 
 
+def saved_tiny_model(model_type: str, architecture: str, directory: Path, **overrides: Any) -> Any:
+    """A tiny random transformers model of the type (`tiny_config`, then `overrides` set on its
+    config), saved with the fixtures' tokenizer into `directory`; float32, its norms' weights
+    randomized (they start at a constant, Gemma's at zero, where a mistake would not show)."""
+    import torch
+    import transformers
+
+    from tgserve.server.testing.fixtures import _token_ids, _tokenizer_dir, default_cache_dir
+
+    tokenizer_dir = _tokenizer_dir(default_cache_dir())
+    config = tiny_config(model_type, _token_ids(tokenizer_dir))
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    torch.manual_seed(0)
+    model = getattr(transformers, architecture)(config).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(-0.5, 0.5)
+    model.save_pretrained(directory)
+    for file in tokenizer_dir.iterdir():
+        shutil.copy(file, directory / file.name)
+    return model
+
+
 class Refused(Exception):
     """An architecture the engine does not serve, and why."""
 

@@ -5,7 +5,6 @@ configurations the native layers do not compute are left to the fallback."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,28 +17,10 @@ from tgserve.server.models.gemma import GemmaForCausalLM
 from tgserve.server.models.llama import LlamaForCausalLM
 from tgserve.server.models.registry import native_model_class
 from tgserve.server.protocol.params import SamplingParams
-from tgserve.server.testing.arch_sweep import tiny_config
-from tgserve.server.testing.fixtures import _token_ids, _tokenizer_dir, default_cache_dir
+from tgserve.server.testing.arch_sweep import saved_tiny_model
 
 NEW_TOKENS = 12
 PROMPTS = [list(range(5, 22)), list(range(5, 13)) + [30, 31]]  # the second hits the first's blocks
-
-
-def saved_tiny_model(model_type: str, architecture: str, directory: Path, **overrides: Any) -> Any:
-    tokenizer_dir = _tokenizer_dir(default_cache_dir())
-    config = tiny_config(model_type, _token_ids(tokenizer_dir))
-    for name, value in overrides.items():
-        setattr(config, name, value)
-    torch.manual_seed(0)
-    model = getattr(transformers, architecture)(config).float().eval()
-    with torch.no_grad():  # norms start at a constant (Gemma's at zero): a mistake there would not show
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.uniform_(-0.5, 0.5)
-    model.save_pretrained(directory)
-    for file in tokenizer_dir.iterdir():
-        shutil.copy(file, directory / file.name)
-    return model
 
 
 def transformers_tokens(model: Any) -> list[tuple[list[int], list[float]]]:

@@ -84,6 +84,17 @@ def test_two_shards_compute_the_unsharded_logits(arch: str) -> None:
         torch.testing.assert_close(logits, expected, atol=tolerance, rtol=tolerance)
 
 
+def test_two_shards_of_gemma3_compute_the_unsharded_logits(tmp_path) -> None:
+    """Gemma 3's text model (query/key norms, a RoPE per layer type), built tiny for the test."""
+    from tgserve.server.testing.arch_sweep import saved_tiny_model
+
+    layers = ["sliding_attention", "full_attention"]
+    saved_tiny_model("gemma3_text", "Gemma3ForCausalLM", tmp_path, sliding_window=6, layer_types=layers)
+    expected = prompt_logits(str(tmp_path))
+    for logits in sharded_logits(str(tmp_path)).values():
+        torch.testing.assert_close(logits, expected, atol=5e-4, rtol=5e-4)  # as Gemma 2's, four norms a layer
+
+
 @pytest.mark.parametrize("source", ["--quantize fp8", "fp8 checkpoint"])
 def test_two_fp8_shards_compute_close_to_one_fp8_model(source: str, tmp_path) -> None:
     """A row-parallel shard quantizes its own half of each activation row (and, under --quantize,
