@@ -330,7 +330,7 @@ class BlockManager:
     def spillable_blocks(self, request: Request, num_computed: int | None = None) -> list[int]:
         """Where the request's cold blocks are in its block list, oldest first: full of computed
         tokens (its `num_computed_tokens`, or the `num_computed` written so far), its own alone, on
-        the device, not among the first and last `spill_keep`. None without spilling."""
+        the device, not among the first and last `spill_keep`; none without spilling."""
         if self.spill_keep is None:
             return []
         first, last = self.spill_keep

@@ -145,7 +145,7 @@ class HostKVPool:
         self.num_blocks = num_blocks
         self._layouts = [(tensor.dtype, tuple(tensor.shape[2:])) for tensor in tensors]
         self._rows = HostRows(num_blocks, self.block_bytes, pin=self.cuda)
-        self._close = weakref.finalize(self, self._rows.close)  # the rows hold no reference back
+        weakref.finalize(self, self._rows.close)  # unpinned when collected: the rows hold no reference back
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         # Set by `layer_views`: attention reads the rows in place, so a step's offloads (the
         # long-context tier's spills among them) land before its forward.
@@ -161,10 +161,6 @@ class HostKVPool:
     def wait_until_pinned(self) -> None:
         """Until every row is pinned (serving uses the rows as they come; a benchmark waits)."""
         self._rows.wait_for(self.num_blocks)
-
-    def close(self) -> None:
-        """Unpin the rows now (otherwise when the pool is collected). Idempotent."""
-        self._close()
 
     def _row(self, block: int) -> torch.Tensor:
         return self._rows.rows[block]

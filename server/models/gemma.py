@@ -22,7 +22,8 @@ from transformers.activations import ACT2FN
 from tgserve.server.attention.forward_context import paged_attention
 from tgserve.server.distributed.tensor_parallel import tensor_parallel
 from tgserve.server.kv_cache.spec import head_dim, num_kv_heads
-from tgserve.server.models.layers import FusedWeightLoader, RotaryEmbedding
+from tgserve.server.models.layers import RotaryEmbedding
+from tgserve.server.models.llama import load_fused_weights
 from tgserve.server.models.parallel_layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -186,21 +187,4 @@ class GemmaForCausalLM(nn.Module):
         return logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        attn = self.model.layers[0].self_attn
-        loader = FusedWeightLoader(
-            self,
-            stacked={
-                "q_proj": ("qkv_proj", 0),
-                "k_proj": ("qkv_proj", 1),
-                "v_proj": ("qkv_proj", 2),
-                "gate_proj": ("gate_up_proj", 0),
-                "up_proj": ("gate_up_proj", 1),
-            },
-            shard_sizes={
-                "qkv_proj": [attn.q_size, attn.kv_size, attn.kv_size],
-                "gate_up_proj": [self.config.intermediate_size] * 2,
-            },
-        )
-        tied = self.tie_word_embeddings
-        loader.load((n, t) for n, t in weights if not (tied and n == "lm_head.weight"))
-        loader.check_complete()
+        load_fused_weights(self, weights)

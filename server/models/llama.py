@@ -247,45 +247,53 @@ class LlamaForCausalLM(nn.Module):
         return lm_head_logits(hidden, weight, self.config.vocab_size)  # [len(logits_indices), vocab]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        attn = self.model.layers[0].self_attn
-        loader = FusedWeightLoader(
-            self,
-            stacked={
-                "q_proj": ("qkv_proj", 0),
-                "k_proj": ("qkv_proj", 1),
-                "v_proj": ("qkv_proj", 2),
-                "gate_proj": ("gate_up_proj", 0),
-                "up_proj": ("gate_up_proj", 1),
-            },
-            shard_sizes={
-                "qkv_proj": [attn.q_size, attn.kv_size, attn.kv_size],
-                "gate_up_proj": [self.config.intermediate_size] * 2,
-            },
-        )
-        tied = self.tie_word_embeddings
-        weights = self._unfused(weights, attn)
-        loader.load((n, t) for n, t in weights if not (tied and n == "lm_head.weight"))
-        loader.check_complete()
+        load_fused_weights(self, weights)
 
-    def _unfused(
-        self, weights: Iterable[tuple[str, torch.Tensor]], attn: LlamaAttention
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Checkpoints with fused projections (Phi-3's `qkv_proj`, `gate_up_proj`) as the separate
-        ones the loader places (each shard taking its own rows of each part)."""
-        shards = tensor_parallel().world_size
-        parts = {
-            ".qkv_proj.": ([".q_proj.", ".k_proj.", ".v_proj."],
-                           [s * shards for s in (attn.q_size, attn.kv_size, attn.kv_size)]),
-            ".gate_up_proj.": ([".gate_proj.", ".up_proj."], [self.config.intermediate_size] * 2),
-        }  # fmt: skip
-        for name, tensor in weights:
-            fused = next((f for f in parts if f in name), None)
-            if fused is None:
-                yield name, tensor
-                continue
-            names, sizes = parts[fused]
-            # A scale of the whole fused tensor (an fp8 checkpoint's per-tensor one) is each part's.
-            whole = tensor.dim() == 0 or tensor.shape[0] != sum(sizes)
-            pieces = [tensor] * len(names) if whole else tensor.split(sizes, dim=0)
-            for part, piece in zip(names, pieces, strict=True):
-                yield name.replace(fused, part), piece
+
+def load_fused_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """A checkpoint's weights into a model of the llama family's fused projections (`qkv_proj`,
+    `gate_up_proj`: its `model.layers[i].self_attn` has `q_size` and `kv_size` per shard), the LM
+    head left out where the embeddings are tied; any missing or misplaced weight named."""
+    attn, config = model.model.layers[0].self_attn, model.config
+    loader = FusedWeightLoader(
+        model,
+        stacked={
+            "q_proj": ("qkv_proj", 0),
+            "k_proj": ("qkv_proj", 1),
+            "v_proj": ("qkv_proj", 2),
+            "gate_proj": ("gate_up_proj", 0),
+            "up_proj": ("gate_up_proj", 1),
+        },
+        shard_sizes={
+            "qkv_proj": [attn.q_size, attn.kv_size, attn.kv_size],
+            "gate_up_proj": [config.intermediate_size] * 2,
+        },
+    )
+    tied = model.tie_word_embeddings
+    weights = _unfused(weights, attn, config.intermediate_size)
+    loader.load((n, t) for n, t in weights if not (tied and n == "lm_head.weight"))
+    loader.check_complete()
+
+
+def _unfused(
+    weights: Iterable[tuple[str, torch.Tensor]], attn: nn.Module, intermediate_size: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoints with fused projections (Phi-3's `qkv_proj`, `gate_up_proj`) as the separate
+    ones the loader places (each shard taking its own rows of each part)."""
+    shards = tensor_parallel().world_size
+    parts = {
+        ".qkv_proj.": ([".q_proj.", ".k_proj.", ".v_proj."],
+                       [s * shards for s in (attn.q_size, attn.kv_size, attn.kv_size)]),
+        ".gate_up_proj.": ([".gate_proj.", ".up_proj."], [intermediate_size] * 2),
+    }  # fmt: skip
+    for name, tensor in weights:
+        fused = next((f for f in parts if f in name), None)
+        if fused is None:
+            yield name, tensor
+            continue
+        names, sizes = parts[fused]
+        # A scale of the whole fused tensor (an fp8 checkpoint's per-tensor one) is each part's.
+        whole = tensor.dim() == 0 or tensor.shape[0] != sum(sizes)
+        pieces = [tensor] * len(names) if whole else tensor.split(sizes, dim=0)
+        for part, piece in zip(names, pieces, strict=True):
+            yield name.replace(fused, part), piece
