@@ -308,9 +308,9 @@ class Scheduler:
     def _spill_long_contexts(self, short: int, plan: _StepPlan) -> bool:
         """Whether `short` more device blocks are free, after spilling cold blocks of running long
         contexts (`SchedulerConfig.spill_min_context`, the longest first) to the host tier: long
-        contexts then run together though they outgrow the pool, with nobody preempted. Requests
-        already in this step keep theirs (their blocks are read by it, their tokens of it not yet
-        written). False, spilling nothing, when they cannot."""
+        contexts then run together though they outgrow the pool, with nobody preempted. Of requests
+        already in this step, only blocks written before it move (their moved ids reach the runner
+        with the step). False, spilling nothing, when they cannot."""
         if short <= 0:
             return True
         bm, past = self.block_manager, self.config.spill_min_context

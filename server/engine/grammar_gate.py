@@ -43,8 +43,10 @@ class GrammarGate:
             del self._held[request.request_id]
         return ready
 
-    def abort(self, request_ids: list[str], guided: GuidedMatchers) -> None:
-        for request_id in request_ids:
-            if self._held.pop(request_id, None) is not None:
-                guided.remove(request_id)
-                self._arrived = [(i, spec) for i, spec in self._arrived if i != request_id]
+    def abort(self, request_ids: list[str], guided: GuidedMatchers) -> list[str]:
+        """Drop those held here; returns them (the other runners' matchers are dropped with a step)."""
+        dropped = [request_id for request_id in request_ids if self._held.pop(request_id, None) is not None]
+        for request_id in dropped:
+            guided.remove(request_id)
+        self._arrived = [(i, spec) for i, spec in self._arrived if i not in dropped]
+        return dropped

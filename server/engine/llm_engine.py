@@ -178,8 +178,7 @@ class LLMEngine:
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         request_ids = list(request_ids)
-        self._dropped_grammars.update(i for i in request_ids if i in self._grammars)
-        self._grammars.abort(request_ids, self.runner.guided)
+        self._dropped_grammars.update(self._grammars.abort(request_ids, self.runner.guided))
         self.scheduler.abort_requests(request_ids)
         for request_id in request_ids:
             self._prompt_logprobs.pop(request_id, None)
