@@ -79,6 +79,7 @@ def serve(contexts: int, context: int, offload_gib: float, num_blocks: int, args
             "candidates": engine.shard.selection.candidates,
             "pool_tokens": engine.num_blocks * block,
             "host_tokens": 0 if host is None else host.num_blocks * block,
+            "key_copies": engine.shard.key_copy_slots or 0,
             "ttft_s": [round(first[f"r{i}"], 2) for i in range(contexts)],
             "decode_ms": round(1e3 * steps[len(steps) // 2], 3) if steps else None,
             "decode_steps": len(steps),
@@ -99,6 +100,10 @@ def main() -> None:
     parser.add_argument(
         "--candidates", type=int, help="blocks scored exactly per block chosen (default: the engine's)"
     )
+    parser.add_argument(
+        "--key-copy-share", type=float,
+        help="the most of the KV budget the host blocks' key copies take (default: the engine's; 0: none)",
+    )  # fmt: skip
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -114,6 +119,10 @@ def main() -> None:
             DecodeSelection.for_budget = classmethod(
                 lambda cls, *a: dataclasses.replace(made(cls, *a), candidates=args.candidates)
             )
+        if args.key_copy_share is not None:  # likewise
+            from tgserve.server.engine import model_shard
+
+            model_shard.KEY_COPY_SHARE = args.key_copy_share
         shape, *rest = args.one.split(":")
         contexts, context = (int(n) for n in shape.split("x"))
         offload, blocks = (rest + ["0", "0"])[:2]
@@ -121,11 +130,12 @@ def main() -> None:
         return
     rows = each_in_its_own_process(args.runs)
     print(
-        "| contexts | context | pool tokens | host tokens | TTFT s | decode ms/step | spilled blocks | preemptions |"
+        "| contexts | context | pool tokens | host tokens | key copies | TTFT s | decode ms/step | spilled blocks "
+        "| preemptions |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['contexts']} | {r['context']:,} | {r['pool_tokens']:,} | {r['host_tokens']:,} | "
+        print(f"| {r['contexts']} | {r['context']:,} | {r['pool_tokens']:,} | {r['host_tokens']:,} | {r['key_copies']:,} | "
               f"{', '.join(map(str, r['ttft_s']))} | {r['decode_ms']} | {r['spilled_blocks']:,} | "
               f"{r['preemptions']} |")  # fmt: skip
 

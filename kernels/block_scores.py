@@ -159,6 +159,10 @@ def _candidate_scores_kernel(
     first_host,
     stride_h_block,
     stride_hs_block,
+    copy_k_ptr,
+    copy_s_ptr,
+    slot_ptr,
+    stride_copy_block,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -166,6 +170,7 @@ def _candidate_scores_kernel(
     SCALED: tl.constexpr,
     PRECISION: tl.constexpr,
     HOST: tl.constexpr = False,
+    COPIED: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -185,12 +190,25 @@ def _candidate_scores_kernel(
     offset = tokens % BLOCK_SIZE
     within = offset * stride_c_off + kv_head * stride_c_head  # host blocks (HOST) read in place
     k_at = block_address(k_ptr, hk_ptr, page, first_host, stride_c_block, stride_h_block, within, HOST)
-    k = tl.load(k_at[:, None] + dims[None, :], mask=token_ok[:, None] & dim_ok[None, :], other=0.0)
+    run, page_run = kv_head * BLOCK_SIZE + offset, num_kv_heads * BLOCK_SIZE
+    read = token_ok
+    if COPIED:  # host blocks with a key copy on the device (`HostKeyCopies`) read it, not the link
+        on_host = token_ok & (page >= first_host)
+        slot = tl.load(slot_ptr + tl.maximum(page - first_host, 0), mask=on_host, other=-1)
+        copied = slot >= 0
+        read = token_ok & ~copied
+    k = tl.load(k_at[:, None] + dims[None, :], mask=read[:, None] & dim_ok[None, :], other=0.0)
     if SCALED:  # an fp8 cache: dequantized to the query's dtype (the decode kernel multiplies in f16 instead)
-        run, page_run = kv_head * BLOCK_SIZE + offset, num_kv_heads * BLOCK_SIZE
         ks_at = block_address(ks_ptr, hks_ptr, page, first_host, page_run, stride_hs_block, run, HOST)
-        k_scale = tl.load(ks_at, mask=token_ok, other=0.0)
+        k_scale = tl.load(ks_at, mask=read, other=0.0)
         k = (k.to(tl.float32) * k_scale[:, None]).to(q.dtype)
+    if COPIED:
+        copy_at = slot.to(tl.int64) * stride_copy_block + offset * stride_c_off + kv_head * stride_c_head
+        copy_k = tl.load(copy_k_ptr + copy_at[:, None] + dims[None, :], mask=copied[:, None] & dim_ok[None, :],
+                         other=0.0)  # fmt: skip
+        copy_scale = tl.load(copy_s_ptr + slot.to(tl.int64) * page_run + run, mask=copied, other=0.0)
+        copy_k = (copy_k.to(tl.float32) * copy_scale[:, None]).to(q.dtype)
+        k = tl.where(copied[:, None], copy_k, k.to(q.dtype))
     logits = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)  # [BLOCK_G, tokens]
     per_token = tl.max(tl.where(row_ok[:, None], logits, float("-inf")), 0)
     per_block = tl.max(tl.reshape(per_token, (BLOCK_C, BLOCK_SIZE)), 1)
@@ -214,9 +232,11 @@ def candidate_scores(
     bound: torch.Tensor,  # float32 [num_seqs, num_kv_heads, width]
     kv_scale: torch.Tensor | None = None,
     host: tuple[torch.Tensor, torch.Tensor | None, int] | None = None,
+    key_copy: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:  # float32 [num_seqs, num_kv_heads, c]
     """Each candidate block's largest true logit (`reference.candidate_scores`), read from the cache
-    (host blocks as paged_decode's `host` names them): one launch whose grid depends only on shapes."""
+    (host blocks as paged_decode's `host` names them, or from their device copies where `key_copy`,
+    `LayerKeyCopy`'s (keys, scales, slot_of), has one): one launch whose grid depends only on shapes."""
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     count = candidates.shape[2]
@@ -231,13 +251,17 @@ def candidate_scores(
     host_cache, host_scale, first_host = host or (kv_cache, None, kv_cache.shape[1])  # unread without HOST
     assert host_cache.stride()[2:] == kv_cache.stride()[2:]
     host_scales = scales if host_scale is None else host_scale[0]
+    copy_keys, copy_scales, slot_of = key_copy or (kv_cache[0], scales, block_tables)  # unread without COPIED
+    assert key_copy is None or (host is not None and copy_keys.stride()[1:] == kv_cache.stride()[2:])
     _candidate_scores_kernel[(num_seqs, num_kv_heads, triton.cdiv(count, block_c))](
         query, kv_cache[0], scales, block_tables, candidates, bound, out,
         query.stride(0), query.stride(1), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), candidates.stride(0), candidates.stride(1), bound.stride(0), bound.stride(1),
         out.stride(0), out.stride(1), num_kv_heads, group, head_dim, count,
         host_cache[0], host_scales, first_host, host_cache.stride(1), host_scales.stride(0),
+        copy_keys, copy_scales, slot_of, copy_keys.stride(0),
         BLOCK_SIZE=block_size, BLOCK_G=pow2(group), BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_C=block_c,
         SCALED=kv_scale is not None, PRECISION=dot_precision(query.dtype), HOST=host is not None,
+        COPIED=key_copy is not None,
     )  # fmt: skip
     return out

@@ -126,14 +126,16 @@ def select_decode_blocks(
     selection: DecodeSelection,
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     kv_scale: torch.Tensor | None = None,
-    host: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, int] | None = None,
+    host: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, int, tuple | None] | None = None,
 ) -> torch.Tensor:
     """int64 [num_seqs, num_kv_heads, k - 1]: per KV head the block-table columns each decode query
     attends besides its current block (`kernels/decode_selection.py`): the blocks with the best
     bounds, scored again by their true largest logit, and the best of those. With the step's
     `DecodeSelection.lengths`, paged_decode's `selection`. Device tensors only, no host sync: a
     CUDA graph captures it. `host`: (host blocks' cache, scales or None, key summaries, first host
-    id): table entries from that id on are host blocks, read where they lie."""
+    id, device copies of their keys or None: `LayerKeyCopy`'s (keys, scales, slot_of)): table
+    entries from that id on are host blocks, read where they lie, their candidates' keys from a
+    copy where they have one."""
     block_size, width = kv_cache.shape[2], block_tables.shape[1]
     args = (query, key_summary, block_tables, seq_lens, block_size, selection.sink_blocks(block_size),
             selection.recent_blocks(block_size))  # fmt: skip
@@ -141,14 +143,15 @@ def select_decode_blocks(
         from tgserve.kernels.block_scores import block_scores, candidate_scores
     else:
         block_scores, candidate_scores = reference.block_scores, reference.candidate_scores
-    host_blocks, host_summary = None, None
+    host_blocks, host_summary, key_copy = None, None, None
     if host is not None:
-        host_blocks, host_summary = (host[0], host[1], host[3]), (host[2], host[3])
+        host_blocks, host_summary, key_copy = (host[0], host[1], host[3]), (host[2], host[3]), host[4]
     bound = block_scores(*args, host_summary=host_summary)
     candidates = torch.topk(
         bound, selection.candidate_blocks(block_size, width), dim=-1, sorted=False
     ).indices
-    exact = candidate_scores(query, kv_cache, block_tables, candidates, bound, kv_scale, host=host_blocks)
+    exact = candidate_scores(query, kv_cache, block_tables, candidates, bound, kv_scale, host=host_blocks,
+                             key_copy=key_copy)  # fmt: skip
     return candidates.gather(2, choose_blocks(exact, selection.chosen_blocks(block_size, width)))
 
 

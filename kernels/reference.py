@@ -163,26 +163,42 @@ def candidate_scores(
     bound: torch.Tensor,  # float32 [num_seqs, num_kv_heads, width]: `block_scores`
     kv_scale: torch.Tensor | None = None,
     host: tuple[torch.Tensor, torch.Tensor | None, int] | None = None,
+    key_copy: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:  # float32 [num_seqs, num_kv_heads, c]
     """Each candidate block's largest logit q . k over its keys and the query heads that share the
     KV head, from the cache itself; a candidate whose bound is infinite keeps it (the sink and the
     recent window: +inf; the current block and blocks past the context: -inf, never chosen).
-    `host`: as `gather_kv` reads it."""
+    `host`: as `gather_kv` reads it. `key_copy`: (e4m3 keys [slots, block_size, num_kv_heads, D],
+    scales [slots, num_kv_heads, block_size], slot_of int32 [host blocks]): a host block with a slot
+    is read from its copy (`server/kv_cache/key_copies.py`)."""
+    first = kv_cache.shape[1]
     if host is not None:
         kv_cache, kv_scale = with_host_blocks(kv_cache, kv_scale, host)
     num_seqs, num_heads, dim = query.shape
     num_kv = kv_cache.shape[3]
     pages = block_tables.long().gather(1, candidates.flatten(1)).view(candidates.shape)
     heads = torch.arange(num_kv, device=query.device)[None, :, None]
-    if kv_scale is None:
-        keys = kv_cache[0][pages, :, heads].float()  # [S, Hkv, c, block_size, D]
-    else:  # torch's CPU indexing ops do not take float8 tensors
-        as_bytes = kv_cache[0].view(torch.uint8)[pages, :, heads].view(kv_cache.dtype)
-        keys = dequantize_kv(as_bytes, kv_scale[0][pages, heads])
+    keys = _block_head_keys(kv_cache[0], None if kv_scale is None else kv_scale[0], pages, heads)
+    if key_copy is not None:
+        copy_keys, copy_scales, slot_of = key_copy
+        slots = torch.where(pages >= first, slot_of.long()[(pages - first).clamp(min=0)], -1)
+        copied = _block_head_keys(copy_keys, copy_scales, slots.clamp(min=0), heads)
+        keys = torch.where((slots >= 0)[..., None, None], copied, keys)
     q = query.float().view(num_seqs, num_kv, num_heads // num_kv, dim)
     exact = torch.einsum("skgd,skctd->skgct", q, keys).amax(dim=(2, 4))
     given = bound.gather(2, candidates)
     return torch.where(torch.isinf(given), given, exact)
+
+
+def _block_head_keys(
+    cache: torch.Tensor, scale: torch.Tensor | None, pages: torch.Tensor, heads: torch.Tensor
+) -> torch.Tensor:
+    """float32 [S, Hkv, c, block_size, D]: keys of blocks `pages` [S, Hkv, c] for their KV heads,
+    from keys [blocks, block_size, Hkv, D] (dequantized with scales [blocks, Hkv, block_size])."""
+    if scale is None:
+        return cache[pages, :, heads].float()
+    as_bytes = cache.view(torch.uint8)[pages, :, heads].view(cache.dtype)  # CPU indexing takes no float8
+    return dequantize_kv(as_bytes, scale[pages, heads])
 
 
 def causal_mask(

@@ -10,6 +10,7 @@ import torch
 
 from tgserve.kernels import reference
 from tgserve.kernels.block_scores import block_scores, candidate_scores
+from tgserve.kernels.fp8_format import dequantize_kv, quantize_kv
 from tgserve.kernels.paged_decode import paged_decode
 from tgserve.kernels.paged_prefill import paged_prefill
 from tgserve.kernels.testing import PagedBatch, make_paged_batch, with_fp8_cache
@@ -119,7 +120,7 @@ def test_block_selection_reads_host_summaries_and_keys(device, fp8):
         host_summary[:, host_block] = summary[:, device_block].cpu()
         summary[:, device_block] = float("nan")
     got = dispatch.select_decode_blocks(
-        *args, tables, *rest, host=(host_cache, host_scale, host_summary, first)
+        *args, tables, *rest, host=(host_cache, host_scale, host_summary, first, None)
     )
     assert torch.equal(got.sort(-1).values, want.sort(-1).values)
     # The Triton launches themselves (dispatch takes the twins off CUDA), against the twins.
@@ -139,3 +140,63 @@ def test_block_selection_reads_host_summaries_and_keys(device, fp8):
     )  # fmt: skip
     assert torch.isfinite(twin_exact[~torch.isinf(twin_exact)]).all()
     assert torch.allclose(exact.cpu(), twin_exact, atol=2e-2, rtol=1e-3)
+
+
+@pytest.mark.parametrize("dtype,fp8", [(torch.float32, False), (torch.float16, False), (torch.float16, True)])
+def test_candidate_rescoring_reads_device_key_copies_of_host_blocks(device, dtype, fp8):
+    """Host blocks with a key copy on the device (`server/kv_cache/key_copies.py`: e4m3 keys, a
+    scale a token and KV head) are rescored from the copy, never from host memory (poisoned here),
+    and score as their copy's keys would in the device pool; the others are read on host."""
+    batch = make_paged_batch([1, 1], [300, 170], 8, 2, 32, 8, dtype, device, seed=8)
+    if fp8:
+        batch = with_fp8_cache(batch)
+    original, original_scale = (
+        batch.kv_cache.clone(),
+        None if batch.kv_scale is None else batch.kv_scale.clone(),
+    )
+    tables, (host_cache, host_scale, first), moves = _moved_to_host(batch, every=2)
+    copied_moves = moves[1::2]  # every other host block has a copy; slots in reverse order
+    slots = len(copied_moves) + 1
+    slot_of = torch.full((host_cache.shape[1],), -1, dtype=torch.int32)
+    copy_keys = torch.zeros(slots, *original.shape[2:], dtype=torch.float8_e4m3fn)
+    copy_scales = torch.zeros(slots, original.shape[3], original.shape[2])
+    reference_cache = original.clone()  # the device pool as the copies' keys would make it
+    for i, (device_block, host_block) in enumerate(copied_moves):
+        slot = slots - 1 - i
+        slot_of[host_block] = slot
+        if fp8:
+            keys, scales = original[0, device_block].cpu(), original_scale[0, device_block].cpu()
+        else:
+            keys, scales = quantize_kv(original[0, device_block].float().cpu())
+            scales = scales.transpose(0, 1)
+            reference_cache[0, device_block] = (
+                dequantize_kv(keys, scales.transpose(0, 1)).to(dtype).to(device)
+            )
+        copy_keys.view(torch.uint8)[slot] = keys.view(torch.uint8)
+        copy_scales[slot] = scales
+        host_cache.view(torch.uint8)[0, host_block] = 0x7F  # what a read over the link would find
+    key_copy = (copy_keys.to(device), copy_scales.to(device), slot_of.to(device))
+    bound = torch.zeros(2, 2, tables.shape[1], device=device)
+    columns = torch.stack(
+        [torch.randperm(17, generator=torch.Generator().manual_seed(s))[:8] for s in (1, 2)]
+    )
+    columns = columns[:, None, :].expand(2, 2, 8).contiguous().to(device)
+    got = candidate_scores(batch.query, batch.kv_cache, tables, columns, bound, batch.kv_scale,
+                           host=(host_cache, host_scale, first), key_copy=key_copy)  # fmt: skip
+    twin = reference.candidate_scores(
+        batch.query.cpu(), batch.kv_cache.cpu(), tables.cpu(), columns.cpu(), bound.cpu(),
+        None if batch.kv_scale is None else batch.kv_scale.cpu(),
+        host=(host_cache.cpu(), None if host_scale is None else host_scale.cpu(), first),
+        key_copy=tuple(t.cpu() for t in key_copy),
+    )  # fmt: skip
+    pooled = reference.candidate_scores(
+        batch.query.cpu(), reference_cache.cpu(), batch.block_tables.cpu(), columns.cpu(), bound.cpu(),
+        None if original_scale is None else original_scale.cpu(),
+    )  # fmt: skip
+    assert torch.isfinite(twin).all()
+    assert (
+        torch.equal(twin, pooled)
+        if dtype == torch.float32 or fp8
+        else torch.allclose(twin, pooled, atol=2e-2)
+    )
+    assert torch.allclose(got.cpu(), twin, atol=2e-2 if dtype == torch.float16 else 1e-4, rtol=1e-3)

@@ -16,6 +16,7 @@ from torch import nn
 
 from tgserve.kernels.decode_selection import DecodeSelection
 from tgserve.server.attention.metadata import AttentionMetadata
+from tgserve.server.kv_cache.key_copies import LayerKeyCopy
 from tgserve.server.kv_cache.spec import KVCacheSpec
 
 
@@ -29,6 +30,7 @@ class HostBlocks:
     cache: torch.Tensor  # [2, host_blocks, block_size, num_kv_heads, head_dim], strided by block
     scale: torch.Tensor | None = None  # an fp8 cache's scales, [2, host_blocks, num_kv_heads, block_size]
     summary: torch.Tensor | None = None  # key summaries, [2, host_blocks, num_kv_heads, head_dim]
+    key_copy: LayerKeyCopy | None = None  # device copies of some host blocks' keys (rescoring reads them)
 
     @property
     def blocks(self) -> tuple[torch.Tensor, torch.Tensor | None, int]:
@@ -36,10 +38,12 @@ class HostBlocks:
         return self.cache, self.scale, self.first
 
     @property
-    def with_summaries(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, int]:
+    def with_summaries(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, int, tuple | None]:
         """As block selection reads them (`dispatch.select_decode_blocks`'s `host`)."""
         assert self.summary is not None, "selection reads the host blocks' key summaries"
-        return self.cache, self.scale, self.summary, self.first
+        copy = self.key_copy
+        copies = None if copy is None else (copy.keys, copy.scales, copy.slot_of)
+        return self.cache, self.scale, self.summary, self.first, copies
 
 
 @dataclass

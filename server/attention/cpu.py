@@ -227,9 +227,27 @@ def _group_blocks(
         [block_rows(layer.key_summary[i], host.summary[i], host.first, ids) for i in (0, 1)]
     )
     keys, values = paged_blocks(kv_cache, layer.kv_scale, host, ids)
+    if host.key_copy is not None:  # the candidates' keys, as the GPU's rescoring reads them
+        keys = _with_key_copies(keys, host, ids)
     cache = torch.stack([keys, values]).view(2, ids.shape[0], *kv_cache.shape[2:])
     tables = torch.arange(ids.shape[0], dtype=torch.int32, device=ids.device).view(-1, group.num_blocks)
     return summary, cache, None, tables
+
+
+def _with_key_copies(keys: torch.Tensor, host: HostBlocks, ids: torch.Tensor) -> torch.Tensor:
+    """keys [len(ids) * block_size, H_kv, D] with those of host blocks that have a device copy
+    (`HostKeyCopies`) replaced by the copy, dequantized."""
+    copy, on_host = host.key_copy, ids >= host.first
+    slots = torch.where(on_host, copy.slot_of.long()[(ids - host.first).clamp(min=0)], -1)
+    copied = slots >= 0
+    if not bool(copied.any()):
+        return keys
+    chosen = slots[copied]
+    stored = copy.keys.view(torch.uint8).index_select(0, chosen).view(copy.keys.dtype)
+    scales = copy.scales.index_select(0, chosen).transpose(1, 2)  # [n, block_size, H_kv]
+    blocks = keys.view(len(ids), -1, *keys.shape[1:]).clone()
+    blocks[copied] = dequantize_kv(stored, scales).to(keys.dtype)
+    return blocks.view(keys.shape)
 
 
 def decode_attention(

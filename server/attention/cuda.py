@@ -114,7 +114,7 @@ def _host(host: HostBlocks | None) -> tuple[torch.Tensor, torch.Tensor | None, i
 
 def _selection_host(
     host: HostBlocks | None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, int] | None:
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, int, tuple | None] | None:
     return None if host is None else host.with_summaries
 
 

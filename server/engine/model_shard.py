@@ -32,6 +32,7 @@ from tgserve.server.execution.memory import (
 )
 from tgserve.server.execution.runner import ModelRunner
 from tgserve.server.kv_cache.host_pool import HostKVPool
+from tgserve.server.kv_cache.key_copies import key_copy_bytes
 from tgserve.server.kv_cache.pool import num_blocks_for_memory
 from tgserve.server.kv_cache.spec import (
     kv_bytes_per_token,
@@ -49,6 +50,10 @@ from tgserve.server.static_shapes.graphs import StepGraphs, StepModule
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_BYTES = 2 << 30
+# The most of the KV budget the long-context tier's key copies may take (`HostKeyCopies`). Each host
+# block's copy costs a quarter of a bf16 block and saves its candidates' keys crossing the link
+# every step; the pool's blocks it takes spill instead, and their chosen keys and values cross.
+KEY_COPY_SHARE = 1 / 6
 SPARSE_CONFIG_FILE = "sparse_attention.json"
 # Captured decode graphs size their context splits for this many tokens; longer contexts stay
 # correct (the last split runs to the end) but use fewer parallel splits.
@@ -69,6 +74,7 @@ class ModelShard:
         max_model_len: int,
     ) -> None:
         self.args, self.source, self.device, self.max_model_len = args, source, device, max_model_len
+        self.key_copy_slots: int | None = None  # set as the pool is sized
         cache_dtype = kv_cache_dtype(args.kv_cache_dtype, dtype)  # a wrong name fails before the load
         # Before the weights: what others hold is not this server's, and a share that is not free
         # fails here rather than after a long load.
@@ -195,7 +201,9 @@ class ModelShard:
             return args.num_blocks
         scratch = self.backend.scratch_blocks  # allocated beyond the block manager's blocks
         if not self._profiles_gpu_memory():
-            memory = (args.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES) - self.host_summary_bytes
+            memory = self._less_key_copies(
+                (args.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES) - self.host_summary_bytes
+            )
             return max(1, num_blocks_for_memory(self.specs, args.block_size, memory) - scratch)
         self.forward.allocate_pool(1, args.block_size, self.device)
         budget_step = self._profile_step(args.max_num_batched_tokens, args.max_num_seqs)
@@ -206,8 +214,13 @@ class ModelShard:
             self._profile_whole_prompt(self._whole_prompt_step())
         self.forward.release_pool()
         logger.info(self.memory_profile.describe())
-        budget = self.memory_profile.kv_budget_bytes - self.host_summary_bytes
+        budget = self._less_key_copies(self.memory_profile.kv_budget_bytes - self.host_summary_bytes)
         return max(1, num_blocks_for_memory(self.specs, args.block_size, budget) - scratch)
+
+    def _less_key_copies(self, budget: int) -> int:
+        """The KV budget less what the host blocks' key copies take of it (`key_copy_slots` set)."""
+        self.key_copy_slots = self._key_copy_slots(budget)
+        return budget - self.key_copy_slots * self.key_copy_block_bytes
 
     def _profile_step(self, num_tokens: int, num_seqs: int) -> MemoryProfile:
         """A prefill step of `num_tokens` over `num_seqs` sequences run on this GPU and measured."""
@@ -268,8 +281,14 @@ class ModelShard:
         if self.num_host_blocks:
             self.host_pool = HostKVPool(self.forward.block_tensors(), self.num_host_blocks, self.device)
             if self.spill_keep is not None:
-                summaries = self.forward.attach_host_tier(self.host_pool.layer_views(), num_blocks)
-                self.host_pool.keep_on_device(summaries)
+                if self.key_copy_slots is None:  # a pool of blocks as given: copies beside its bytes
+                    self.key_copy_slots = self._key_copy_slots(num_blocks * self.host_block_bytes)
+                summaries, copies = self.forward.attach_host_tier(self.host_pool.layer_views(), num_blocks,
+                                                                  self.key_copy_slots)  # fmt: skip
+                self.host_pool.keep_on_device(summaries, copies)
+                if copies is not None:
+                    logger.info("keys of %d host blocks copied to the device for block selection (%.2f GiB)",
+                                copies.num_slots, copies.num_slots * self.key_copy_block_bytes / GIB)  # fmt: skip
         executor = self._choose_executor()
         if self.static_executor is not None and self.buckets.warmup:
             self.static_executor.warm_up(self.args.block_size, self.device)
@@ -311,6 +330,23 @@ class ModelShard:
         if self.spill_keep is None:
             return 0
         return self.num_host_blocks * sum(spec.summary_bytes() for spec in self.specs)
+
+    @property
+    def key_copy_block_bytes(self) -> int:
+        """A host block's key copies on the device, every selecting layer's (`HostKeyCopies`); 0
+        where the long-context tier does not select."""
+        if self.spill_min_context is None:
+            return 0
+        selecting = [spec for spec in self.specs if spec.summary_dtype is not None]
+        return sum(
+            key_copy_bytes(self.args.block_size, spec.num_kv_heads, spec.head_dim) for spec in selecting
+        )
+
+    def _key_copy_slots(self, budget: int) -> int:
+        """Host blocks whose keys the device copies: as many as the host tier holds, within
+        KEY_COPY_SHARE of the KV budget."""
+        per_block = self.key_copy_block_bytes
+        return 0 if not per_block else min(self.num_host_blocks, int(budget * KEY_COPY_SHARE) // per_block)
 
     @property
     def spill_min_context(self) -> int | None:

@@ -3,12 +3,15 @@ set as the forward context: what every executor runs, and what the memory profil
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
 from tgserve.server.attention.backend import AttentionBackend, HostBlocks
 from tgserve.server.attention.forward_context import ForwardContext, forward_context
 from tgserve.server.attention.metadata import AttentionMetadata
+from tgserve.server.kv_cache.key_copies import HostKeyCopies
 from tgserve.server.kv_cache.pool import allocate_key_summaries, allocate_kv_caches, allocate_kv_scales
 from tgserve.server.kv_cache.spec import KVCacheSpec
 
@@ -39,26 +42,35 @@ class ModelForward:
         self.key_summaries = allocate_key_summaries(self.specs, num_blocks, device)
 
     def attach_host_tier(
-        self, views: list[torch.Tensor], first: int
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        self, views: list[torch.Tensor], first: int, key_copy_slots: int = 0
+    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], HostKeyCopies | None]:
         """The host tier's rows as every layer's pool tensors (`HostKVPool.layer_views`, in
         `block_tensors` order), whose block ids start at `first`: attention reads spilled blocks
         through them. The host blocks' key summaries are read from device memory instead (block
         selection scores every block of a context each step: over the link that would be ~1 GB a
         token at a million tokens of Llama-3-8B); returns them as (device summaries, host blocks'
-        summaries) per layer, for the host pool to keep up to date."""
-        rest, mirrors, self.host_blocks = iter(views), [], []
-        per_layer = zip(self.kv_scales or [None] * len(self.kv_caches),
+        summaries) per layer, for the host pool to keep up to date, and, given `key_copy_slots`,
+        device copies of as many host blocks' keys (`HostKeyCopies`: what selection rescores
+        candidates from), for the host pool to fill."""
+        rest, mirrors, self.host_blocks, selecting = iter(views), [], [], []
+        per_layer = zip(self.kv_caches, self.kv_scales or [None] * len(self.kv_caches),
                         self.key_summaries or [None] * len(self.kv_caches), strict=True)  # fmt: skip
-        for scale, summary in per_layer:
+        for device_cache, scale, summary in per_layer:
             cache, host_scale = next(rest), None if scale is None else next(rest)
             host_summary = None
             if summary is not None:
                 next(rest)  # the rows' copy of the summaries: what a block loaded back carries
                 host_summary = summary.new_zeros((2, cache.shape[1], *summary.shape[2:]))
                 mirrors.append((summary, host_summary))
+                selecting.append((len(self.host_blocks), device_cache, scale))
             self.host_blocks.append(HostBlocks(first, cache, host_scale, host_summary))
-        return mirrors
+        if not key_copy_slots or not selecting:
+            return mirrors, None
+        host_blocks = self.host_blocks[selecting[0][0]].cache.shape[1]
+        copies = HostKeyCopies([(cache, scale) for _, cache, scale in selecting], key_copy_slots, host_blocks)
+        for (layer, _, _), copy in zip(selecting, copies.layers, strict=True):
+            self.host_blocks[layer] = replace(self.host_blocks[layer], key_copy=copy)
+        return mirrors, copies
 
     def block_tensors(self) -> list[torch.Tensor]:
         """Every pool tensor indexed by block at dimension 1 ([2, num_blocks, ...]): what one block

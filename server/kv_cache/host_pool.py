@@ -20,6 +20,10 @@ the engine starts and serves: `ready_blocks` says how many rows are pinned, the 
 those (`HostTier.grow`), and a copy that reaches past them (a shard whose pinning lags rank 0's)
 waits for its chunk. The range is unregistered before it is freed: a range freed while still
 registered cannot be registered again when the allocator hands the same addresses out anew.
+
+What block selection reads of host blocks stays in device memory, written as blocks offload: their
+key summaries (`keep_on_device`) and, in as many slots as were budgeted, copies of their keys in
+e4m3 (`key_copies.HostKeyCopies`).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import torch
 
 from tgserve.server.core.host_tier import KVTransfers
 from tgserve.server.device.transfer import to_device
+from tgserve.server.kv_cache.key_copies import HostKeyCopies
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +158,7 @@ class HostKVPool:
         # (device tensor, its host blocks' copy in device memory): the key summaries attention
         # reads for host blocks, written as blocks are offloaded (`keep_on_device`).
         self._on_device: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.key_copies: HostKeyCopies | None = None  # device copies of offloaded blocks' keys
 
     @property
     def ready_blocks(self) -> int:
@@ -177,10 +183,14 @@ class HostKVPool:
             offset += 2 * side
         return views
 
-    def keep_on_device(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def keep_on_device(
+        self, pairs: list[tuple[torch.Tensor, torch.Tensor]], key_copies: HostKeyCopies | None = None
+    ) -> None:
         """For each (pool tensor [2, pool blocks, ...], device tensor [2, host blocks, ...]): every
-        offloaded block's slice is copied into the second too, at its host block."""
+        offloaded block's slice is copied into the second too, at its host block; and its keys into
+        `key_copies`, where given."""
         self._on_device = pairs
+        self.key_copies = key_copies
 
     def _wait_for(self, blocks: tuple[int, ...]) -> None:
         """Until the rows of `blocks` are pinned."""
@@ -209,11 +219,13 @@ class HostKVPool:
                 self._load(host_blocks[first : first + step], device_blocks[first : first + step])
 
     def _keep_on_device(self, device_blocks: tuple[int, ...], host_blocks: tuple[int, ...]) -> None:
-        if self._on_device:
+        if self._on_device or self.key_copies is not None:
             device_ids = to_device(device_blocks, torch.int64, self.device)
             host_ids = to_device(host_blocks, torch.int64, self.device)
             for pool_tensor, copy in self._on_device:
                 copy.index_copy_(1, host_ids, pool_tensor.index_select(1, device_ids))
+            if self.key_copies is not None:
+                self.key_copies.copy(device_ids, host_ids)
 
     def _offload(self, device_blocks: tuple[int, ...], host_blocks: tuple[int, ...], side: bool) -> None:
         staging = self._gather(to_device(device_blocks, torch.int64, self.device))

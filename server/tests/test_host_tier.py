@@ -10,11 +10,13 @@ import pytest
 import torch
 
 from tgserve import LLM, SamplingParams
+from tgserve.kernels.fp8_format import dequantize_kv, quantize_kv
 from tgserve.server.core.block_manager import BlockManager
 from tgserve.server.core.host_tier import HostTier, KVTransfers
 from tgserve.server.core.request import Request
 from tgserve.server.kv_cache import host_pool
 from tgserve.server.kv_cache.host_pool import HostKVPool
+from tgserve.server.kv_cache.key_copies import HostKeyCopies
 from tgserve.server.testing.fixtures import fixture_path
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
@@ -127,6 +129,29 @@ def test_host_pool_keeps_the_host_blocks_summaries_in_device_memory():
     assert not on_device[:, 1:3].any()
 
 
+def test_key_copies_take_ring_slots_newest_offloads_first():
+    """Offloads copy their blocks' keys (e4m3, as the fp8 cache stores them) into the next slots of
+    a ring: the oldest copy gives its slot up, a host block written anew loses its old copy, and
+    more blocks than slots at once keep the last ones."""
+    gen = torch.Generator().manual_seed(3)
+    cache = torch.randn(2, 8, 4, 2, 16, generator=gen)
+    copies = HostKeyCopies([(cache, None)], slots=3, host_blocks=6)
+    offload = lambda device, host: copies.copy(torch.tensor(device), torch.tensor(host))  # noqa: E731
+    offload([0, 1], [4, 5])
+    offload([2, 3], [0, 1])  # the ring wraps: host block 4's slot goes to host block 1
+    assert copies.slot_of.tolist() == [2, 0, -1, -1, -1, 1]
+    layer = copies.layers[0]
+    keys, scales = quantize_kv(cache[0, 3].reshape(-1, 2, 16))
+    assert torch.equal(layer.keys[0].view(torch.uint8), keys.view(4, 2, 16).view(torch.uint8))
+    assert torch.equal(layer.scales[0], scales.view(4, 2).t())
+    offload([6], [0])  # host block 0 written anew: its slot 2 is dropped, slot 1 taken from host block 5
+    assert copies.slot_of.tolist() == [1, 0, -1, -1, -1, -1]
+    offload([4, 5, 6, 7], [2, 3, 4, 5])  # more than the slots: the last three are copied
+    assert copies.slot_of.tolist() == [-1, -1, -1, 2, 0, 1]
+    dequantized = dequantize_kv(layer.keys[1], layer.scales[1].t())
+    assert torch.allclose(dequantized, cache[0, 7], rtol=0.07, atol=1e-4)
+
+
 def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     """A 64-token prefix asked twice, with two 150-token prompts between that evict it from the pool."""
     rng = random.Random(seed)
@@ -233,6 +258,8 @@ def test_a_request_larger_than_the_pool_reads_its_spilled_blocks_from_host(kv_ca
     stats = llm.engine.stats()
     assert got == want
     assert stats.host_spilled_blocks >= 60 - 24 and stats.num_preemptions == 0
+    if budget:  # selection rescored host candidates from device copies of their keys (lossless from fp8)
+        assert int((llm.engine.shard.host_pool.key_copies.slot_of >= 0).sum()) > 0
     assert stats.num_free_blocks == stats.num_total_blocks
     assert llm.engine.scheduler.block_manager.host_tier.num_held_blocks == 0
 
