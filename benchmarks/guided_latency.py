@@ -138,10 +138,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--guided-decoding-backend", default="llguidance", help="llguidance or xgrammar")
     parser.add_argument("--skip-runs", action="store_true", help="only the mask stage and compile times")
+    parser.add_argument(
+        "--load-format", default="auto",
+        help="dummy: random weights (a model directory's config and tokenizer: a large model's shape "
+        "with a real vocabulary, where its weights cannot be had)",
+    )  # fmt: skip
     args = parser.parse_args()
     model = args.model or str(default_model_gguf())
     engine = LLMEngine(EngineArgs(model=model, max_num_seqs=REQUESTS, max_num_batched_tokens=4096,
-                                  guided_decoding_backend=args.guided_decoding_backend))  # fmt: skip
+                                  guided_decoding_backend=args.guided_decoding_backend,
+                                  load_format=args.load_format))  # fmt: skip
     prompt_ids = prompts(engine)
     spec = GuidedDecoding("json_schema", json.dumps(SCHEMA))
     run(engine, prompt_ids[:4], spec, "warm")  # the matcher tokenizer, kernels, allocator
@@ -154,7 +160,7 @@ def main() -> None:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
     lines = [
         f"- date: {datetime.date.today()}, commit {_commit()}, device: {device}, {torch.get_num_threads()} threads",
-        f"- model: {model}; {REQUESTS} concurrent requests, up to {NEW_TOKENS} new tokens, temperature 1; "
+        f"- model: {model} ({args.load_format} weights); {REQUESTS} concurrent requests, up to {NEW_TOKENS} new tokens, temperature 1; "
         f"grammars by {args.guided_decoding_backend}",
         "",
         "| run | steps with all 64 decoding | ITL median ms | ITL mean ms | output tokens | total s |",
