@@ -62,7 +62,10 @@ class LLMEngine:
         self.shard = build_shard(args, described, self.device, self.tp)
         self.runner, self.num_blocks = self.shard.runner, self.shard.num_blocks
         self.runner.guided = GuidedMatchers(
-            lambda: (self.tokenizer, self.eos_token_ids), self.vocab_size, args.guided_decoding_backend
+            lambda: (self.tokenizer, self.eos_token_ids),
+            self.vocab_size,
+            args.guided_decoding_backend,
+            pinned=self.device.type == "cuda",
         )
         self.memory_profile: MemoryProfile | None = self.shard.memory_profile
         self.scheduler = Scheduler(

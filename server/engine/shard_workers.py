@@ -69,6 +69,7 @@ def worker_main(rank: int, args: EngineArgs, init_method: str) -> None:
         lambda: _tokenizer_and_eos(args, described),
         int(described.config.vocab_size),
         args.guided_decoding_backend,
+        pinned=shard.device.type == "cuda",
     )
     # Each step is launched before the last one's tokens are read, as rank 0 does with async
     # scheduling: a worker whose host waited for its GPU would hold every rank at the next collective.

@@ -123,12 +123,17 @@ class ModelRunner:
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
             return LaunchedStep([], output=RunnerOutput())
-        if self._pending is not None and self._needs_known_tokens(scheduler_output):
-            self.collect(self._pending)
+        known_later = self._pending is not None and self._needs_known_tokens(scheduler_output)
         inputs = self._prepare_inputs(scheduler_output)
-        masks = self._masks_beside_the_forward(inputs.sampled_request_ids)
+        masks = None if known_later else self._masks_beside_the_forward(inputs.sampled_request_ids)
         logits = self.executor.run(inputs)[: inputs.logits_indices.shape[0]]  # padding rows dropped
         self.forward.backend.mark_step()
+        if known_later:
+            # Penalties read the tokens still in flight, grammars consume them before their masks:
+            # only the sampling needs them, so they are read with this step's forward already
+            # queued (its inputs took them on the device), and the device does not wait for the host.
+            self.collect(self._pending)
+            masks = self._masks_beside_the_forward(inputs.sampled_request_ids)
         num_sampled = len(inputs.sampled_request_ids)
         step = self._sample(logits[:num_sampled], inputs.sampled_request_ids, masks)
         step.prompt_rows = inputs.prompt_rows
@@ -172,7 +177,7 @@ class ModelRunner:
 
     def _needs_known_tokens(self, out: SchedulerOutput) -> bool:
         """A request with penalties reads its whole output, a guided one's mask follows its last
-        token: their tokens in flight must be known first."""
+        token: their tokens in flight must be known before this step samples."""
         pending = set(self._pending.sampled_request_ids)
         return any(
             self.requests[request_id].params.needs_penalties
@@ -292,7 +297,7 @@ class ModelRunner:
     def _masks_beside_the_forward(self, request_ids: list[str]) -> Future | None:
         """The guided rows' token masks, computed on a worker thread while the forward runs (on the
         CPU the forward holds this thread; on CUDA it is queued and the GPU runs it). Their
-        matchers have consumed every earlier token: such a step waited for the step before."""
+        matchers have consumed every earlier token: the step before was collected first."""
         if not self.guided.vocab_size or not any(request_id in self.guided for request_id in request_ids):
             return None  # no guided row, or no vocabulary known before the logits (then masked in _sample)
         if self._mask_worker is None:

@@ -128,6 +128,24 @@ def test_masks_come_in_the_rows_of_the_guided_requests_only(matchers, tokenizer)
     assert matchers.mask(["plain", "other"], torch.zeros(2, VOCAB)) is None
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_masks_filled_into_pinned_rows_are_those_of_plain_arrays(tokenizer) -> None:
+    """On CUDA the masks are filled into pinned arrays taken in turn (`PinnedMaskRows`): the same
+    bits as plain arrays, each step's rows zeroed whatever an earlier step left there."""
+    load = lambda: (tokenizer, {tokenizer.eos_token_id})  # noqa: E731
+    plain, pinned = GuidedMatchers(load, VOCAB), GuidedMatchers(load, VOCAB, pinned=True)
+    for matchers in (plain, pinned):
+        matchers.add("json", GuidedDecoding("json_object"))
+        matchers.add("digits", GuidedDecoding("regex", r"[0-9]+"))
+    for ids in (["json", "digits"], ["digits"], ["json", "x", "digits"], ["json"]):
+        want, got = (
+            plain.mask(ids, torch.zeros(len(ids), VOCAB)),
+            pinned.mask(ids, torch.zeros(len(ids), VOCAB, device="cuda")),
+        )
+        assert got.rows == want.rows and torch.equal(got.bits.cpu(), want.bits)
+
+
 def test_a_request_coming_back_from_preemption_resumes_its_grammar(matchers, tokenizer) -> None:
     spec = GuidedDecoding("json_schema", '{"type": "object", "properties": {"a": {"type": "integer"}}}')
     output = tokenizer.encode('{"a": 1')
