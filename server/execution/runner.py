@@ -158,10 +158,9 @@ class ModelRunner:
             if state is not None and index < len(state.token_ids) and state.token_ids[index] == PLACEHOLDER:
                 state.token_ids[index] = token_id
             result.sampled_token_ids[request_id] = token_id
-            # Preempted since (no state) or not, the request keeps this token: so does its grammar.
-            reason = self.guided.consume(request_id, token_id) if request_id in self.guided else None
-            if reason is not None:
-                result.finish_reasons[request_id] = reason
+        if len(self.guided):
+            # Preempted since (no state) or not, a request keeps its token: so does its grammar.
+            result.finish_reasons.update(self.guided.consume_step(result.sampled_token_ids))
         if step.logprobs is not None:
             logprobs = step.logprobs.replace_tensors([next(host) for _ in step.logprobs.tensors()]).to_list()
             for row, logprob in zip(step.logprob_rows, logprobs, strict=True):

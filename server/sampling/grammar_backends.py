@@ -3,9 +3,10 @@ default, and xgrammar. Both compile a request's grammar against the tokenizer, f
 for a batch of matchers at once (each through its own thread pool) in the same layout (bit j of
 int32 word w allows token 32 w + j), and advance a matcher by the tokens a request produces.
 
-`guided.GuidedMatchers` holds the matchers; it sees them only through the five methods of an
-llguidance `LLMatcher` (consume_token, consume_tokens, is_stopped, is_error, get_error), which the
-xgrammar matcher below also offers. Either library is imported only when the first guided request
+`guided.GuidedMatchers` holds the matchers; it sees them only through the backend's `fill` and
+`consume` (a step's masks, a step's tokens, for all its matchers at once) and the five methods of
+an llguidance `LLMatcher` (consume_token, consume_tokens, is_stopped, is_error, get_error), which
+the xgrammar matcher below also offers. Either library is imported only when the first guided request
 arrives.
 
 The two differ where a grammar is complete: llguidance stops a matcher as soon as nothing but the
@@ -51,6 +52,10 @@ class LLGuidanceBackend:
 
         llguidance.numpy.fill_next_token_bitmask_par(self._executor, pairs, bits)
 
+    def consume(self, pairs: list[tuple[Any, int]]) -> list[bool]:
+        """Each matcher takes its token (on the executor's threads); False where it refused it."""
+        return self._executor.consume_token_par(pairs)
+
 
 class XGrammarBackend:
     """xgrammar: grammars compiled by a `GrammarCompiler` (cached per schema), a `GrammarMatcher` a
@@ -82,6 +87,11 @@ class XGrammarBackend:
         matchers = [matcher.inner for matcher, _ in pairs]
         # xgrammar takes a torch int32 bitmask; this one shares the array's memory.
         self._batch.batch_fill_next_token_bitmask(matchers, torch.from_numpy(bits), [k for _, k in pairs])
+
+    @staticmethod
+    def consume(pairs: list[tuple[XGrammarMatcher, int]]) -> list[bool]:
+        """Each matcher takes its token; False where it refused it."""
+        return [matcher.consume_token(token_id) for matcher, token_id in pairs]
 
 
 class XGrammarMatcher:

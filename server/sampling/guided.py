@@ -259,9 +259,9 @@ class GuidedMatchers:
                 working.append((guided.matcher, k))
         if working:
             self._backend.fill(working, bits)
-            for _, k in working:
-                if not bits[k].any():  # nothing allowed: end the request on an end-of-sequence token
-                    self._allow_only_eos(bits[k])
+            filled = [k for _, k in working]
+            for k in np.asarray(filled)[~bits[filled].any(axis=1)]:
+                self._allow_only_eos(bits[k])  # nothing allowed: end the request on an end-of-sequence token
         return rows, bits
 
     def _allow_only_eos(self, row: np.ndarray) -> None:
@@ -277,15 +277,31 @@ class GuidedMatchers:
         """The request's next output token is `token_id` (each step's tokens are read once):
         advance its matcher, and say whether the request ends here (grammar complete, or the
         matcher in error)."""
-        guided = self._requests.get(request_id)
-        if guided is None:
-            return None
-        if guided.failed():
-            return self._failed(request_id, guided)
-        guided.num_consumed += 1
-        if not guided.matcher.consume_token(token_id):
-            return self._failed(request_id, guided)
-        return FinishReason.EOS_TOKEN if guided.matcher.is_stopped() else None
+        return self.consume_step({request_id: token_id}).get(request_id)
+
+    def consume_step(self, tokens: dict[str, int]) -> dict[str, FinishReason]:
+        """A step's tokens, {request: its next output token}, consumed by the guided requests'
+        matchers in one call to the grammar library (llguidance advances them on its threads):
+        the requests that end here, and why (grammar complete, or the matcher in error)."""
+        reasons, advancing = {}, []
+        for request_id, token_id in tokens.items():
+            guided = self._requests.get(request_id)
+            if guided is None:
+                continue
+            if guided.failed():
+                reasons[request_id] = self._failed(request_id, guided)
+                continue
+            guided.num_consumed += 1
+            advancing.append((request_id, guided, token_id))
+        if not advancing:
+            return reasons
+        accepted = self._backend.consume([(guided.matcher, token_id) for _, guided, token_id in advancing])
+        for (request_id, guided, _), ok in zip(advancing, accepted, strict=True):
+            if not ok:
+                reasons[request_id] = self._failed(request_id, guided)
+            elif guided.matcher.is_stopped():
+                reasons[request_id] = FinishReason.EOS_TOKEN
+        return reasons
 
     def _failed(self, request_id: str, guided: _Guided) -> FinishReason:
         guided.failed()
