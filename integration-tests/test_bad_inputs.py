@@ -40,6 +40,9 @@ CASES = [
     ("/generate", b'{"inputs": "\xff\xfe broken"}', 422, "unicode"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\xc3\x28"}]}', 400, "unicode"),
     ("/generate", b"", 422, "empty"),
+    # Routes that read the body's keys before parsing it met Python's recursion limit (a 500).
+    ("/tokenize", b'{"inputs": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 422, "recursion limit"),
+    ("/invocations", b'{"inputs": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 422, "recursion limit"),
     # JSON numbers past a double's range parse as infinity: no sampling knob takes it.
     (
         "/generate",

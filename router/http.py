@@ -66,7 +66,7 @@ def json_object(body: bytes) -> dict[str, Any]:
     pick one by its keys (the model they then parse it with names any error)."""
     try:
         shape = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # deep nesting: the model's parse names it
         return {}
     return shape if isinstance(shape, dict) else {}
 
