@@ -181,13 +181,19 @@ def candidate_scores(
     keys = _block_head_keys(kv_cache[0], None if kv_scale is None else kv_scale[0], pages, heads)
     if key_copy is not None:
         copy_keys, copy_scales, slot_of = key_copy
-        slots = torch.where(pages >= first, slot_of.long()[(pages - first).clamp(min=0)], -1)
+        slots = key_copy_slots(pages, first, slot_of)
         copied = _block_head_keys(copy_keys, copy_scales, slots.clamp(min=0), heads)
         keys = torch.where((slots >= 0)[..., None, None], copied, keys)
     q = query.float().view(num_seqs, num_kv, num_heads // num_kv, dim)
     exact = torch.einsum("skgd,skctd->skgct", q, keys).amax(dim=(2, 4))
     given = bound.gather(2, candidates)
     return torch.where(torch.isinf(given), given, exact)
+
+
+def key_copy_slots(pages: torch.Tensor, first: int, slot_of: torch.Tensor) -> torch.Tensor:
+    """int64, `pages`' shape: each page's slot among the host blocks' key copies (`slot_of`, by host
+    block); -1 for a device page (below `first`) and for a host block without a copy."""
+    return torch.where(pages >= first, slot_of.long()[(pages - first).clamp(min=0)], -1)
 
 
 def _block_head_keys(

@@ -167,11 +167,9 @@ def test_candidate_rescoring_reads_device_key_copies_of_host_blocks(device, dtyp
         if fp8:
             keys, scales = original[0, device_block].cpu(), original_scale[0, device_block].cpu()
         else:
-            keys, scales = quantize_kv(original[0, device_block].float().cpu())
-            scales = scales.transpose(0, 1)
-            reference_cache[0, device_block] = (
-                dequantize_kv(keys, scales.transpose(0, 1)).to(dtype).to(device)
-            )
+            keys, row_scales = quantize_kv(original[0, device_block].float().cpu())
+            scales = row_scales.transpose(0, 1)  # [KV heads, block_size], as the copies keep them
+            reference_cache[0, device_block] = dequantize_kv(keys, row_scales).to(dtype).to(device)
         copy_keys.view(torch.uint8)[slot] = keys.view(torch.uint8)
         copy_scales[slot] = scales
         host_cache.view(torch.uint8)[0, host_block] = 0x7F  # what a read over the link would find

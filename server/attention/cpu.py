@@ -15,7 +15,14 @@ import torch.nn.functional as F
 from tgserve.kernels import dispatch
 from tgserve.kernels.decode_selection import DecodeSelection, chosen_mask
 from tgserve.kernels.fp8_format import dequantize_kv
-from tgserve.kernels.reference import causal_mask, gather_kv, masked_attention, update_key_summaries, write_kv
+from tgserve.kernels.reference import (
+    causal_mask,
+    gather_kv,
+    key_copy_slots,
+    masked_attention,
+    update_key_summaries,
+    write_kv,
+)
 from tgserve.server.attention.backend import AttentionBackend, AttentionLayerParams, HostBlocks, StepPlan
 from tgserve.server.attention.metadata import AttentionMetadata
 
@@ -237,8 +244,8 @@ def _group_blocks(
 def _with_key_copies(keys: torch.Tensor, host: HostBlocks, ids: torch.Tensor) -> torch.Tensor:
     """keys [len(ids) * block_size, H_kv, D] with those of host blocks that have a device copy
     (`HostKeyCopies`) replaced by the copy, dequantized."""
-    copy, on_host = host.key_copy, ids >= host.first
-    slots = torch.where(on_host, copy.slot_of.long()[(ids - host.first).clamp(min=0)], -1)
+    copy = host.key_copy
+    slots = key_copy_slots(ids, host.first, copy.slot_of)
     copied = slots >= 0
     if not bool(copied.any()):
         return keys

@@ -55,8 +55,11 @@ class HostKeyCopies:
         its fp8 scales or None): what an offloaded block's keys are copied from."""
         device = layers[0][0].device
         self.sources = layers
-        self.slot_of = torch.full((host_blocks,), -1, dtype=torch.int32, device=device)
-        self._owner = torch.full((slots,), -1, dtype=torch.int64, device=device)  # a slot's host block
+        # One entry past the end of each map takes the writes meant for "no slot" / "no host block"
+        # (-1), so `copy` needs no boolean indexing: that would wait for the device every offload.
+        self._slot_of = torch.full((host_blocks + 1,), -1, dtype=torch.int32, device=device)
+        self.slot_of = self._slot_of[:host_blocks]
+        self._owner = torch.full((slots + 1,), -1, dtype=torch.int64, device=device)  # a slot's host block
         self._next = 0
         self.layers = []
         for cache, _ in layers:
@@ -67,7 +70,7 @@ class HostKeyCopies:
 
     @property
     def num_slots(self) -> int:
-        return self._owner.shape[0]
+        return self._owner.shape[0] - 1
 
     def copy(self, device_ids: torch.Tensor, host_ids: torch.Tensor) -> None:
         """Device blocks `device_ids` are being offloaded into host blocks `host_ids` (int64 device
@@ -78,12 +81,12 @@ class HostKeyCopies:
         slots = (self._next + torch.arange(count, device=host_ids.device)) % self.num_slots
         self._next = (self._next + count) % self.num_slots
         # A host block written anew loses its old copy; a slot taken loses its old block.
-        before = self.slot_of[host_ids].long()
-        self._owner[before[before >= 0]] = -1
+        before = self._slot_of[host_ids].long()
+        self._owner[torch.where(before >= 0, before, self.num_slots)] = -1
         previous = self._owner[slots]
-        self.slot_of[previous[previous >= 0]] = -1
+        self._slot_of[torch.where(previous >= 0, previous, len(self.slot_of))] = -1
         self._owner[slots] = host_ids
-        self.slot_of[host_ids] = slots.to(torch.int32)
+        self._slot_of[host_ids] = slots.to(torch.int32)
         for (cache, scale), layer in zip(self.sources, self.layers, strict=True):
             keys, key_scales = _block_keys(cache, scale, device_ids)
             _rows(layer.keys).index_copy_(0, slots, _rows(keys))
