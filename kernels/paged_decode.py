@@ -105,6 +105,7 @@ def _decode_kernel(
     F16_PRODUCTS: tl.constexpr = False,
     PDL: tl.constexpr = False,
     HOST: tl.constexpr = False,
+    SCALE_AHEAD: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     seq = tl.program_id(0)
@@ -163,18 +164,15 @@ def _decode_kernel(
     # then needs 128 registers a thread instead of 136, so four programs fit an SM instead of three.
     # On an H200 the engine's decode step ran 0.2-1.1% faster at batches 1-16 and at 256
     # (docs/benchmarks/2026-12-01-decode-stages-and-early-inputs-h200.md).
+    if SCALE_AHEAD:  # the first tile's scales, before the loop (see FP8_SCALES_AHEAD)
+        pos, in_ctx, page = _tile_pages(lo, hi, table, chosen_row, chosen_len, last, current, BLOCK_N, BLOCK_SIZE,
+                                        SELECT)  # fmt: skip
+        next_k_scale, next_v_scale = _tile_scales(ks_ptr, vs_ptr, hks_ptr, hvs_ptr, page, pos, in_ctx, kv_head,
+                                                  num_kv_heads, num_device_blocks, stride_hs_block, BLOCK_SIZE,
+                                                  HOST)  # fmt: skip
     for start in tl.range(lo, hi, BLOCK_N, num_stages=2):
-        pos = start + tl.arange(0, BLOCK_N)
-        in_ctx = pos < hi
-        # Per-token block-table lookup: tiles may span several pages of any size.
-        column = pos // BLOCK_SIZE
-        if SELECT:  # through the chosen blocks' columns, and the current block's last
-            # (A tensor, not the scalar: Triton 3.6's interpreter takes no scalar-and-vector mask.)
-            through = column * 0 + chosen_len > 0
-            chosen = through & (column < last)
-            mapped = tl.load(chosen_row + column, mask=in_ctx & chosen, other=0)
-            column = tl.where(chosen, mapped, tl.where(through, current, column))
-        page = tl.load(table + column, mask=in_ctx, other=0).to(tl.int64)
+        pos, in_ctx, page = _tile_pages(start, hi, table, chosen_row, chosen_len, last, current, BLOCK_N, BLOCK_SIZE,
+                                        SELECT)  # fmt: skip
         # Pages past the device pool's (HOST) are host blocks, read where they lie.
         within = (pos % BLOCK_SIZE) * stride_c_off + kv_head * stride_c_head
         k_at = block_address(
@@ -188,17 +186,18 @@ def _decode_kernel(
         k = tl.load(k_at, mask=kv_mask, other=0.0)
         v = tl.load(v_at, mask=kv_mask, other=0.0)
         mask = in_ctx & (pos >= first)
-        if SCALED:  # fp8 in the cache, one float32 scale a (token, KV head)
-            # [2, blocks, KV heads, BLOCK_SIZE]: a page's scales of this head are one contiguous run.
-            run, page_run = kv_head * BLOCK_SIZE + pos % BLOCK_SIZE, num_kv_heads * BLOCK_SIZE
-            ks_at = block_address(
-                ks_ptr, hks_ptr, page, num_device_blocks, page_run, stride_hs_block, run, HOST
-            )
-            vs_at = block_address(
-                vs_ptr, hvs_ptr, page, num_device_blocks, page_run, stride_hs_block, run, HOST
-            )
-            k_scale = tl.load(ks_at, mask=in_ctx, other=0.0)
-            v_scale = tl.load(vs_at, mask=in_ctx, other=0.0)
+        if SCALE_AHEAD:
+            # This tile's scales came a tile ago; the next tile's are loaded now, their latency
+            # hidden behind this tile's products.
+            k_scale, v_scale = next_k_scale, next_v_scale
+            ahead, ahead_in_ctx, ahead_page = _tile_pages(start + BLOCK_N, hi, table, chosen_row, chosen_len, last,
+                                                          current, BLOCK_N, BLOCK_SIZE, SELECT)  # fmt: skip
+            next_k_scale, next_v_scale = _tile_scales(ks_ptr, vs_ptr, hks_ptr, hvs_ptr, ahead_page, ahead,
+                                                      ahead_in_ctx, kv_head, num_kv_heads, num_device_blocks,
+                                                      stride_hs_block, BLOCK_SIZE, HOST)  # fmt: skip
+        elif SCALED:  # fp8 in the cache, one float32 scale a (token, KV head)
+            k_scale, v_scale = _tile_scales(ks_ptr, vs_ptr, hks_ptr, hvs_ptr, page, pos, in_ctx, kv_head, num_kv_heads,
+                                            num_device_blocks, stride_hs_block, BLOCK_SIZE, HOST)  # fmt: skip
         if F16_PRODUCTS:
             # e4m3 widens to f16 exactly, two values an instruction: keys and values enter the
             # products as stored, the keys' scales multiply the scores and the values' scales the
@@ -244,6 +243,35 @@ def _decode_kernel(
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         out_ptrs = out_ptr + seq * stride_os + heads[:, None] * stride_oh + dims[None, :]
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def _tile_pages(start, hi, table, chosen_row, chosen_len, last, current, BLOCK_N: tl.constexpr,
+                BLOCK_SIZE: tl.constexpr, SELECT: tl.constexpr):  # fmt: skip
+    """The tile from `start`: its positions in the context read, which are in it (< hi), and the
+    page of each (a per-token block-table lookup: tiles may span several pages of any size)."""
+    pos = start + tl.arange(0, BLOCK_N)
+    in_ctx = pos < hi
+    column = pos // BLOCK_SIZE
+    if SELECT:  # through the chosen blocks' columns, and the current block's last
+        # (A tensor, not the scalar: Triton 3.6's interpreter takes no scalar-and-vector mask.)
+        through = column * 0 + chosen_len > 0
+        chosen = through & (column < last)
+        mapped = tl.load(chosen_row + column, mask=in_ctx & chosen, other=0)
+        column = tl.where(chosen, mapped, tl.where(through, current, column))
+    page = tl.load(table + column, mask=in_ctx, other=0).to(tl.int64)
+    return pos, in_ctx, page
+
+
+@triton.jit
+def _tile_scales(ks_ptr, vs_ptr, hks_ptr, hvs_ptr, page, pos, in_ctx, kv_head, num_kv_heads, num_device_blocks,
+                 stride_hs_block, BLOCK_SIZE: tl.constexpr, HOST: tl.constexpr):  # fmt: skip
+    """An fp8 tile's key and value scales, one float32 a (token, KV head): stored [2, blocks, KV
+    heads, BLOCK_SIZE], so a page's scales of this head are one contiguous run."""
+    run, page_run = kv_head * BLOCK_SIZE + pos % BLOCK_SIZE, num_kv_heads * BLOCK_SIZE
+    ks_at = block_address(ks_ptr, hks_ptr, page, num_device_blocks, page_run, stride_hs_block, run, HOST)
+    vs_at = block_address(vs_ptr, hvs_ptr, page, num_device_blocks, page_run, stride_hs_block, run, HOST)
+    return tl.load(ks_at, mask=in_ctx, other=0.0), tl.load(vs_at, mask=in_ctx, other=0.0)
 
 
 @triton.jit
@@ -385,6 +413,12 @@ GPU_BLOCK_N = 64  # keys a tile on a GPU; the interpreter takes 16 to stay fast
 # batch 1 and 1M tokens / batch 256 and 640 tokens: 64-key tiles 1,403 / 194 us, 128-key tiles
 # 1,014 / 166, bf16's 1,081 / 159 (docs/benchmarks/2026-12-03-fp8-decode-and-1m-prefill-h200.md).
 GPU_FP8_BLOCK_N = 128
+# Over an fp8 cache, each tile's scales are loaded a tile ahead, into registers: Triton's pipeliner
+# prefetches only the loads that feed a product (the keys and values), so every tile waited for its
+# scales. On an H200 (one layer, 32 query / 8 KV heads of 128), batch 256 x 640 tokens 175 -> 167 us
+# (bf16 163), 64 x 4,096 265 -> 253 (bf16 250), batch 1 x 1M 989 -> 960 (bf16 1,186); outputs
+# bit-identical (docs/benchmarks/2026-12-04-gc-pauses-and-fp8-scales-h200.md).
+FP8_SCALES_AHEAD = True
 
 
 def choose_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_n: int) -> int:
@@ -479,7 +513,7 @@ def paged_decode(
         BLOCK_S=block_s, MERGE_ROWS=merge_rows, WRITE=step_kv is not None, SCALED=kv_scale is not None,
         SELECT=selection is not None, SUMMARY=step_kv is not None and key_summary is not None,
         F16_PRODUCTS=kv_scale is not None and query.dtype != torch.float32,
-        HOST=host is not None,
+        HOST=host is not None, SCALE_AHEAD=kv_scale is not None and FP8_SCALES_AHEAD,
         **pdl(query),
     )  # fmt: skip
     return out
