@@ -26,6 +26,7 @@ import zmq
 
 from tgserve.server.config.buckets import BucketConfig
 from tgserve.server.config.engine_args import EngineArgs
+from tgserve.server.engine.heap import freeze_startup_heap
 from tgserve.server.engine.interface import Engine
 from tgserve.server.protocol import messages as p
 from tgserve.server.protocol.messages import EngineServiceConfig
@@ -190,6 +191,7 @@ def run_engine_service(config: EngineServiceConfig) -> int:
     try:
         engine = build_engine(config.engine_args)
         tokenizer_dir = save_tokenizer(engine, config.tokenizer_dir)
+        freeze_startup_heap("engine")
         output_socket.send(p.encode(ready_message(engine, tokenizer_dir)))
         EngineLoop(engine, input_socket, output_socket, config.parent_pid).run()
         engine.close()  # tensor-parallel workers stop with the loop

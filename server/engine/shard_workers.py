@@ -22,6 +22,7 @@ import torch
 
 from tgserve.server.config.engine_args import EngineArgs
 from tgserve.server.distributed.tensor_parallel import init_tensor_parallel, shutdown_tensor_parallel
+from tgserve.server.engine.heap import freeze_startup_heap
 from tgserve.server.engine.model_shard import build_shard
 from tgserve.server.loading.description import ModelDescription, eos_token_ids, load_model_description
 from tgserve.server.loading.gguf_parsing import parsed_once
@@ -71,6 +72,7 @@ def worker_main(rank: int, args: EngineArgs, init_method: str) -> None:
         args.guided_decoding_backend,
         pinned=shard.device.type == "cuda",
     )
+    freeze_startup_heap(f"shard worker {rank}")
     # Each step is launched before the last one's tokens are read, as rank 0 does with async
     # scheduling: a worker whose host waited for its GPU would hold every rank at the next collective.
     in_flight = None
