@@ -36,7 +36,14 @@ def free_port() -> int:
 class ServerProcess:
     """`python -m tgserve serve ...` with its output in a log file."""
 
-    def __init__(self, args: list[str], log_path: Path, api_key: str | None = None, port: int | None = None):
+    def __init__(
+        self,
+        args: list[str],
+        log_path: Path,
+        api_key: str | None = None,
+        port: int | None = None,
+        env: dict[str, str] | None = None,
+    ):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -53,7 +60,7 @@ class ServerProcess:
             "--gpu-memory-utilization",
             str(GPU_SHARE),
         ]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         env.pop("API_KEY", None)
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(command + args, stdout=self._log, stderr=subprocess.STDOUT, env=env)
@@ -129,7 +136,8 @@ class ServerProcess:
 @pytest.fixture(scope="session")
 def start_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     """A factory: start_server(args, api_key=None) -> a ready ServerProcess, stopped at session end;
-    with ready=False, the process as soon as it is launched (port: a given one, else a free one)."""
+    with ready=False, the process as soon as it is launched (port: a given one, else a free one;
+    env: variables set for the server beside this process's)."""
     servers: list[ServerProcess] = []
 
     def start(
@@ -138,9 +146,10 @@ def start_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
         name: str = "server",
         port: int | None = None,
         ready: bool = True,
+        env: dict[str, str] | None = None,
     ) -> ServerProcess:
         log = tmp_path_factory.mktemp(name) / "server.log"
-        server = ServerProcess(args, log, api_key, port)
+        server = ServerProcess(args, log, api_key, port, env)
         servers.append(server)
         return server.wait_ready() if ready else server
 
@@ -172,11 +181,16 @@ def tiny_server(start_server, tiny_model: str) -> ServerProcess:
 
 @pytest.fixture(scope="session")
 def start_tiny_server(start_server, tiny_model: str):
-    """start_tiny_server(*flags, name="tiny"): a server of its own on the tiny Llama, with tiny_server's
-    API key and token limits, then `flags` (given again, a flag overrides its TINY_ARGS value)."""
+    """start_tiny_server(*flags, name="tiny", ready=True, env=None): a server of its own on the tiny
+    Llama, with tiny_server's API key and token limits, then `flags` (given again, a flag overrides
+    its TINY_ARGS value)."""
 
-    def start(*flags: str, name: str = "tiny") -> ServerProcess:
-        return start_server(["--model-id", tiny_model, *TINY_ARGS, *flags], api_key=API_KEY, name=name)
+    def start(
+        *flags: str, name: str = "tiny", ready: bool = True, env: dict[str, str] | None = None
+    ) -> ServerProcess:
+        return start_server(
+            ["--model-id", tiny_model, *TINY_ARGS, *flags], api_key=API_KEY, name=name, ready=ready, env=env
+        )
 
     return start
 

@@ -8,9 +8,11 @@
   goes on serving.
 - The ipc:// socket directory between router and engine removed: the connections already made carry
   on (requests and /health answer 200) and the server still shuts down cleanly.
-
-Tensor-parallel worker death and a full disk are not run here (they need several GPUs, or root to
-fill a file system); docs/reliability.md says so.
+- A tensor-parallel shard worker killed mid-stream (`--num-shard 2`, on the CPU through gloo): as the
+  engine killed, once rank 0's watch has seen the worker gone.
+- The disk full while the engine writes the tokenizer for the router (a 4 KiB tmpfs as TMPDIR; needs
+  root to mount it, skipped otherwise): the launcher exits non-zero within STARTUP_BOUND_S, its log
+  naming the full disk, and no process is left behind.
 """
 
 from __future__ import annotations
@@ -22,18 +24,23 @@ import shutil
 import signal
 import socket
 import struct
+import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import openai
+import pytest
 
 ANSWER_BOUND_S = 30.0  # every client of a faulted server has its answer or its error by then
 HEALTH_BOUND_S = 1.0  # /health is 503 within this of the fault becoming visible to it
 STALL_TIMEOUT_S = 5  # --engine-stall-timeout of the SIGSTOP server: short, to keep the test short
 STOPPED_HEALTH_TIMEOUT_S = 1  # --health-timeout of the SIGSTOP server: how long a ping may go unanswered
 NUM_STREAMS = 4
+WORKER_WATCH_S = 0.5  # how often rank 0 looks for a dead shard worker (shard_workers.WorkerWatch)
+STARTUP_BOUND_S = 120.0  # a server that cannot start has exited by then (the tiny model loads in seconds)
 
 
 # ---- the engine killed or stopped mid-stream ---------------------------------------------------
@@ -86,8 +93,9 @@ class FaultOutcome:
     answered_after_s: float  # from the fault until the last stream ended
 
 
-async def fault_mid_stream(server, fault: signal.Signals) -> FaultOutcome:
-    """Start NUM_STREAMS long streams, send `fault` to the engine once all stream; how it went."""
+async def fault_mid_stream(server, fault: signal.Signals, pid: int | None = None) -> FaultOutcome:
+    """Start NUM_STREAMS long streams, send `fault` to the engine (or to `pid`) once all stream; how it
+    went."""
     client = openai.AsyncOpenAI(
         base_url=f"{server.url}/v1", api_key=server.api_key, max_retries=0, timeout=ANSWER_BOUND_S
     )
@@ -96,7 +104,7 @@ async def fault_mid_stream(server, fault: signal.Signals) -> FaultOutcome:
         streams = [asyncio.create_task(long_stream(client, i, e)) for i, e in enumerate(started)]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
         faulted_at = time.monotonic()
-        os.kill(server.engine_pid(), fault)
+        os.kill(pid or server.engine_pid(), fault)
         unhealthy_after = await seconds_until_unhealthy(server, faulted_at, ANSWER_BOUND_S)
         ends = await asyncio.wait_for(asyncio.gather(*streams), ANSWER_BOUND_S)
     return FaultOutcome(ends, unhealthy_after, max(end.ended_at for end in ends) - faulted_at)
@@ -368,3 +376,87 @@ def test_ipc_directory_removed_while_serving(start_tiny_server):
     server.process.send_signal(signal.SIGTERM)
     assert server.process.wait(timeout=ANSWER_BOUND_S) == 0, server.log_tail()
     assert not Path(f"/proc/{engine_pid}").exists()
+
+
+# ---- a tensor-parallel shard worker killed ---------------------------------------------------
+
+
+def shard_worker_pids(engine_pid: int) -> list[int]:
+    """The engine's shard workers: its children that multiprocessing spawned to run a worker (its
+    resource tracker, if any, is not one)."""
+    children = []
+    for task in Path(f"/proc/{engine_pid}/task").iterdir():
+        children += [int(pid) for pid in (task / "children").read_text().split()]
+    return [
+        pid
+        for pid in children
+        if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        and b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
+
+
+def wait_gone(pid: int, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not Path(f"/proc/{pid}").exists()
+
+
+def test_shard_worker_killed_mid_stream(start_tiny_server):
+    server = start_tiny_server("--num-shard", "2", name="shard-kill")
+    engine_pid = server.engine_pid()
+    workers = shard_worker_pids(engine_pid)
+    assert len(workers) == 1, workers
+    outcome = asyncio.run(fault_mid_stream(server, signal.SIGKILL, workers[0]))
+    status = assert_launcher_exits_nonzero_with_the_engine_gone(server, engine_pid)
+    print(
+        f"\nshard worker SIGKILL mid-stream (--num-shard 2, gloo): {describe(outcome)}; launcher exit {status}; "
+        f"a stream's error: {outcome.ends[0].detail[:200]!r}"
+    )
+    assert_streams_failed_naming_the_engine(outcome)
+    assert "shard worker" in server.log_tail(), server.log_tail()  # the error names the dead worker
+    assert outcome.unhealthy_after_s < WORKER_WATCH_S + HEALTH_BOUND_S
+    assert wait_gone(workers[0])
+
+
+# ---- the disk full while writing the tokenizer -----------------------------------------------
+
+
+@pytest.fixture
+def full_disk(tmp_path) -> Iterator[Path]:
+    """A 4 KiB tmpfs: too small for the tokenizer's files."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small file system needs root")
+    mount_point = tmp_path / "full"
+    mount_point.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(mount_point)], capture_output=True, text=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def test_disk_full_while_writing_the_tokenizer(start_tiny_server, full_disk):
+    started = time.monotonic()
+    server = start_tiny_server(name="disk-full", ready=False, env={"TMPDIR": str(full_disk)})
+    engine_pid = None
+    while server.process.poll() is None and engine_pid is None:  # for the check that it is gone
+        children = Path(f"/proc/{server.process.pid}/task/{server.process.pid}/children")
+        engine_pid = (
+            next(iter(int(p) for p in children.read_text().split()), None) if children.exists() else None
+        )
+        time.sleep(0.05)
+    status = server.process.wait(timeout=STARTUP_BOUND_S)
+    seconds = time.monotonic() - started
+    log = server.log_tail()
+    reason = next((line for line in reversed(log.splitlines()) if "No space left" in line), "")
+    print(
+        f"\ndisk full while writing the tokenizer: launcher exit {status} after {seconds:.1f} s: {reason[-200:]!r}"
+    )
+    assert status != 0, log
+    assert "cannot write the tokenizer for the router" in log and "No space left on device" in log, log
+    assert engine_pid is None or wait_gone(engine_pid), "the engine process outlived the launcher"

@@ -42,6 +42,7 @@ from tgserve.server.sampling.guided import GuidedMatchers
 logger = logging.getLogger(__name__)
 
 GRAMMAR_WAIT_S = 0.005  # an idle loop's pause for a grammar being compiled
+DEAD_WORKER_WAIT_S = 1.0  # after a failed step, how long a shard worker has to be seen dead
 
 
 class LLMEngine:
@@ -211,6 +212,17 @@ class LLMEngine:
         With async scheduling the outputs reported are the previous step's: this step was scheduled
         and queued on the device before they were read, so the device never waits for the host.
         """
+        try:
+            return self._step()
+        except Exception as exc:
+            # A collective with a dead shard worker fails as a reset connection (gloo) or a timeout:
+            # say which worker died instead.
+            why = self._watch.dead_worker(wait_s=DEAD_WORKER_WAIT_S) if self.workers else None
+            if why is not None:
+                raise RuntimeError(why) from exc
+            raise
+
+    def _step(self) -> list[RequestOutput]:
         started = time.monotonic()
         self._grow_host_tier()
         for request in self._grammars.release_ready(self.runner.guided):

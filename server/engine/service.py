@@ -56,7 +56,12 @@ def save_tokenizer(engine: Engine, directory: str | None) -> str:
     """Hand the router the engine's own tokenizer files (a GGUF's tokenizer becomes tokenizer.json)."""
     if directory is None:
         return ""
-    engine.tokenizer.save_pretrained(directory)
+    try:
+        engine.tokenizer.save_pretrained(directory)
+    except OSError as exc:  # a full disk, most likely: say where, and what was being written
+        raise OSError(
+            exc.errno, f"cannot write the tokenizer for the router to {directory}: {exc.strerror}"
+        ) from exc
     return directory
 
 

@@ -17,6 +17,7 @@ import os
 import socket
 import sys
 import threading
+import time
 
 import torch
 
@@ -129,14 +130,23 @@ class WorkerWatch:
         """From here on workers may exit (the engine is closing them)."""
         self._stopping.set()
 
+    def dead_worker(self, wait_s: float = 0.0) -> str | None:
+        """Why the shards cannot go on, if a worker has exited (waiting up to wait_s for one to)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            dead = next((w for w in self.workers if w.exitcode is not None), None)
+            if dead is not None:
+                return (
+                    f"shard worker {dead.name} (pid {dead.pid}) exited with code {dead.exitcode}; "
+                    "the other shards cannot go on without it"
+                )
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
     def _watch(self) -> None:
         while not self._stopping.wait(self.poll_s):
-            dead = next((w for w in self.workers if w.exitcode is not None), None)
-            if dead is not None and not self._stopping.is_set():
-                print(
-                    f"tgserve: shard worker {dead.name} (pid {dead.pid}) exited with code {dead.exitcode}; "
-                    "the other shards cannot go on without it, stopping the engine",
-                    file=sys.stderr,
-                    flush=True,
-                )
+            why = self.dead_worker()
+            if why is not None and not self._stopping.is_set():
+                print(f"tgserve: {why}, stopping the engine", file=sys.stderr, flush=True)
                 os._exit(1)

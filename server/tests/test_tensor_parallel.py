@@ -198,3 +198,31 @@ print("the engine started without its worker")
     assert done.returncode == 1, done.stdout + done.stderr
     assert "shard worker tgserve-shard-1" in done.stderr and "exited with code 3" in done.stderr
     assert time.monotonic() - started < 60
+
+
+def test_a_worker_dying_while_serving_fails_the_step_naming_it() -> None:
+    """A collective with a dead worker fails as a reset connection (gloo): the step's error says
+    which worker died. (The watch thread, which would end the process first, is left out here.)"""
+    script = f"""
+import os, signal
+import tgserve.server.engine.shard_workers as shard_workers
+shard_workers.WorkerWatch._watch = lambda self: None
+import tgserve.server.engine.llm_engine as engine
+from tgserve.server.protocol.params import SamplingParams
+
+llm = engine.LLMEngine(engine.EngineArgs(model={str(fixture_path("llama"))!r}, tensor_parallel_size=2,
+                                         num_blocks=64, block_size=8))
+llm.add_request("r", list(range(10, 20)), SamplingParams(max_new_tokens=200, ignore_eos=True))
+llm.step()
+os.kill(llm.workers[0].pid, signal.SIGKILL)
+try:
+    while llm.has_unfinished_requests():
+        llm.step()
+    print("served without its worker")
+except RuntimeError as exc:
+    print("the step failed:", exc, flush=True)
+os._exit(0)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "the step failed: shard worker tgserve-shard-1" in done.stdout, done.stdout + done.stderr
+    assert "exited with code -9" in done.stdout
