@@ -129,7 +129,7 @@ def create_app(state: RouterState) -> FastAPI:
     app.include_router(openai_routes.router)
     app.include_router(service_routes.router)
     app.include_router(sagemaker_routes.router)
-    install_openapi(app)
+    install_openapi(app, state.tokenizer.vocab_size)
     app.add_exception_handler(RouterError, router_error_handler)
     app.add_exception_handler(StarletteHTTPException, unrouted_handler)
     app.add_exception_handler(ClientDisconnected, disconnected_handler)

@@ -32,7 +32,24 @@ class JsonSchemaFormat(BaseModel):
 class ResponseFormat(BaseModel):
     """OpenAI's `response_format`: text (unconstrained), any JSON object, or JSON following a schema."""
 
-    model_config = STRICT
+    # The schema says what the server checks: type json_schema comes with its schema.
+    model_config = ConfigDict(
+        extra="ignore",
+        strict=True,
+        json_schema_extra={
+            "if": {"properties": {"type": {"const": "json_schema"}}},
+            "then": {
+                "required": ["json_schema"],
+                "properties": {
+                    "json_schema": {
+                        "type": "object",
+                        "required": ["schema"],
+                        "properties": {"schema": {"type": ["object", "boolean"]}},
+                    }
+                },
+            },
+        },
+    )
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
@@ -42,7 +59,24 @@ class TGIGrammar(BaseModel):
     """TGI's `grammar`: `{"type": "json", "value": <a JSON schema, or its text>}` or
     `{"type": "regex", "value": "<a regular expression the whole output matches>"}`."""
 
-    model_config = STRICT
+    # The schema says what each type's value is: a JSON schema (an object or a boolean; the server
+    # also takes its text; none: any JSON object) or a regular expression.
+    model_config = ConfigDict(
+        extra="ignore",
+        strict=True,
+        json_schema_extra={
+            "allOf": [
+                {
+                    "if": {"properties": {"type": {"const": "json"}}},
+                    "then": {"properties": {"value": {"type": ["object", "boolean", "null"]}}},
+                },
+                {
+                    "if": {"properties": {"type": {"const": "regex"}}},
+                    "then": {"required": ["value"], "properties": {"value": {"type": "string"}}},
+                },
+            ]
+        },
+    )
 
     type: Literal["json", "json_object", "regex"]
     value: Any = None

@@ -10,6 +10,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tgserve.router.config import RouterConfig
 from tgserve.router.errors import ValidationError
 from tgserve.router.guided import ResponseFormat, response_format_guided
+from tgserve.router.schema_rules import (
+    non_empty_prompt,
+    non_empty_stop,
+    token_id_lists,
+    tools_for_tool_choice,
+    whole,
+)
 from tgserve.router.tools import Tool, ToolCalling, ToolChoice, tool_calling
 from tgserve.router.validation import SamplingRequest, sampling_params
 from tgserve.server.protocol.params import GuidedDecoding
@@ -52,46 +59,42 @@ class SamplingFields(OpenAIRequest):
     model: str | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1)
+    n: whole(ge=1) = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(default=None, json_schema_extra=non_empty_stop)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
-    seed: int | None = None
+    seed: whole() | None = None
     user: str | None = None
     # vLLM's extensions, used by its benchmark client among others.
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: whole(ge=-1) | None = None
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[whole()] | None = Field(default=None, json_schema_extra=token_id_lists)
     # Structured output; on /v1/completions too, as vLLM takes it.
     response_format: ResponseFormat | None = None
 
 
-def _not_empty(schema: dict[str, Any]) -> None:
-    """Every form of a prompt at least one character or item long (an empty one is refused once
-    tokenized: there is nothing to continue)."""
-    for variant in schema.get("anyOf", [schema]):
-        variant.update({"minLength": 1} if variant.get("type") == "string" else {"minItems": 1})
-
-
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(json_schema_extra=_not_empty)
-    max_tokens: int | None = Field(default=16, ge=1)
-    logprobs: int | None = Field(default=None, ge=0)
+    prompt: str | list[str] | list[whole()] | list[list[whole()]] = Field(json_schema_extra=non_empty_prompt)
+    max_tokens: whole(ge=1) | None = 16
+    logprobs: whole(ge=0) | None = None
     echo: bool = False
-    best_of: int | None = Field(default=None, ge=1)
+    best_of: whole(ge=1) | None = None
     suffix: str | None = None
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    """A part of a message's content: text only (`message_text` refuses other parts by name; the
+    schema says what is taken)."""
 
-    type: str
-    text: str | None = None
+    model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra={"required": ["type", "text"]})
+
+    type: str = Field(json_schema_extra={"enum": ["text"]})
+    text: str | None = Field(default=None, json_schema_extra={"anyOf": [{"type": "string"}]})
 
 
 class ChatMessage(BaseModel):
@@ -102,12 +105,19 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
+def _chat_rules(schema: dict[str, Any]) -> None:
+    _nulls_allowed(schema)
+    tools_for_tool_choice(schema)
+
+
 class ChatCompletionRequest(SamplingFields):
+    model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra=_chat_rules)
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: whole(ge=1) | None = None
+    max_completion_tokens: whole(ge=1) | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: whole(ge=0, le=20) | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None

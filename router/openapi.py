@@ -18,8 +18,9 @@ from pydantic import BaseModel
 
 from tgserve.router.errors import error_status, is_openai_path
 from tgserve.router.openai_schemas import ChatCompletionRequest, CompletionRequest
-from tgserve.router.service_routes import DetokenizeRequest
-from tgserve.router.tgi_schemas import TGIRequest
+from tgserve.router.schema_rules import bound_token_ids
+from tgserve.router.service_routes import DetokenizeRequest, VLLMTokenizeRequest
+from tgserve.router.tgi_schemas import TGIRequest, TGITokenizeRequest
 
 REF = "#/components/schemas/{model}"
 
@@ -64,30 +65,51 @@ OPENAI_ERROR = {
 }
 
 
-def install_openapi(app: FastAPI) -> None:
-    """Replace `app.openapi` with one that documents the request bodies and responses (built
-    once, then cached)."""
+def install_openapi(app: FastAPI, vocab_size: int) -> None:
+    """Replace `app.openapi` with one that documents the request bodies and responses, token ids
+    bounded by the served model's vocabulary (built once, then cached)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            app.openapi_schema = with_responses(with_request_bodies(schema))
+            schema = with_responses(with_request_bodies(schema))
+            bound_token_ids(schema, vocab_size)
+            app.openapi_schema = schema
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-# Routes whose JSON body takes several shapes (TGI's or vLLM's /tokenize; SageMaker's either API).
-OPEN_BODIES = ("/tokenize", "/invocations")
+# Routes whose JSON body takes one of several shapes, told apart by a key: TGI's or vLLM's /tokenize
+# (`inputs`; `prompt` or `messages`), SageMaker's /invocations (`messages`, `prompt`, else `inputs`).
+SHAPED_BODIES: dict[str, list[dict[str, Any]]] = {
+    "/tokenize": [
+        {"$ref": REF.format(model="TGITokenizeRequest")},
+        {"allOf": [{"$ref": REF.format(model="VLLMTokenizeRequest")}], "required": ["prompt"],
+         "properties": {"prompt": {"type": "string"}}},
+        {"allOf": [{"$ref": REF.format(model="VLLMTokenizeRequest")}], "required": ["messages"],
+         "properties": {"messages": {"type": "array"}}},
+    ],
+    "/invocations": [
+        {"$ref": REF.format(model="ChatCompletionRequest")},
+        {"$ref": REF.format(model="CompletionRequest")},
+        {"$ref": REF.format(model="TGIRequest")},
+    ],
+}  # fmt: skip
+SHAPE_MODELS = (TGITokenizeRequest, VLLMTokenizeRequest)  # components the shapes name beside REQUEST_BODIES
 
 
 def with_request_bodies(schema: dict[str, Any]) -> dict[str, Any]:
     components = schema.setdefault("components", {}).setdefault("schemas", {})
-    for path in OPEN_BODIES:
+    for model in SHAPE_MODELS:
+        body = model.model_json_schema(ref_template=REF)
+        components.update(body.pop("$defs", {}))
+        components[model.__name__] = body
+    for path, shapes in SHAPED_BODIES.items():
         if (operation := schema.get("paths", {}).get(path, {}).get("post")) is not None:
             operation["requestBody"] = {
                 "required": True,
-                "content": {"application/json": {"schema": {"type": "object"}}},
+                "content": {"application/json": {"schema": {"anyOf": shapes}}},
             }
     for path, model in REQUEST_BODIES.items():
         operation = schema.get("paths", {}).get(path, {}).get("post")

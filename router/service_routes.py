@@ -19,6 +19,7 @@ from tgserve.router.openai_schemas import (
     chat_tool_calling,
     message_text,
 )
+from tgserve.router.schema_rules import token_id_lists, whole
 from tgserve.router.state import router_state
 from tgserve.router.tgi_schemas import TGITokenizeRequest
 
@@ -90,7 +91,7 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
-    tokens: list[int] = Field(max_length=1_000_000)
+    tokens: list[whole()] = Field(max_length=1_000_000, json_schema_extra=token_id_lists)
 
 
 @router.post("/tokenize")

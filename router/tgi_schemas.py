@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from tgserve.router.config import RouterConfig
 from tgserve.router.errors import ValidationError
 from tgserve.router.guided import TGIGrammar, grammar_guided
+from tgserve.router.schema_rules import non_empty_stop, number_bounds, whole
 from tgserve.router.validation import SamplingRequest, sampling_params
 
 STRICT = ConfigDict(extra="ignore", strict=True)
@@ -17,25 +20,33 @@ class TGIParameters(BaseModel):
 
     model_config = STRICT
 
-    adapter_id: str | None = None
-    best_of: int | None = Field(default=None, gt=0)
+    # The schema states the ranges that `check_tgi_rules` and SamplingParams check with messages of
+    # their own, and the features refused (no LoRA adapters, no watermark), apart from the flags'.
+    adapter_id: str | None = Field(default=None, json_schema_extra={"anyOf": [{"type": "null"}]})
+    best_of: whole(gt=0) | None = None
     decoder_input_details: bool = False
     details: bool = False
     do_sample: bool = False
-    frequency_penalty: float | None = None
+    frequency_penalty: float | None = Field(
+        default=None, json_schema_extra=number_bounds(minimum=-2, maximum=2)
+    )
     grammar: TGIGrammar | None = None
-    max_new_tokens: int | None = Field(default=None, gt=0)
-    repetition_penalty: float | None = None
+    max_new_tokens: whole(gt=0) | None = None
+    repetition_penalty: float | None = Field(
+        default=None, json_schema_extra=number_bounds(exclusiveMinimum=0)
+    )
     return_full_text: bool | None = None
-    seed: int | None = Field(default=None, ge=0)
-    stop: list[str] | None = None
-    temperature: float | None = None
-    top_k: int | None = None
-    top_n_tokens: int | None = Field(default=None, ge=0)
-    top_p: float | None = None
-    truncate: int | None = Field(default=None, gt=0)
-    typical_p: float | None = None
-    watermark: bool = False
+    seed: whole(ge=0) | None = None
+    stop: list[str] | None = Field(default=None, json_schema_extra=non_empty_stop)
+    temperature: float | None = Field(default=None, json_schema_extra=number_bounds(exclusiveMinimum=0))
+    top_k: whole() | None = Field(default=None, json_schema_extra=number_bounds(minimum=1))
+    top_n_tokens: whole(ge=0) | None = None
+    top_p: float | None = Field(default=None, json_schema_extra=number_bounds(exclusiveMinimum=0, maximum=1))
+    truncate: whole(gt=0) | None = None
+    typical_p: float | None = Field(
+        default=None, json_schema_extra=number_bounds(exclusiveMinimum=0, maximum=1)
+    )
+    watermark: bool = Field(default=False, json_schema_extra={"enum": [False]})
 
 
 class TGIRequest(BaseModel):
@@ -51,7 +62,8 @@ class TGITokenizeRequest(BaseModel):
     model_config = STRICT
 
     inputs: str
-    parameters: TGIParameters = Field(default_factory=TGIParameters)
+    # Taken and not read (TGI's /tokenize takes a whole generate request): nothing is generated.
+    parameters: dict[str, Any] = Field(default_factory=dict)
 
 
 def is_sampling(params: TGIParameters) -> bool:

@@ -13,6 +13,7 @@ import pytest
 from tgserve.router.app import create_app
 from tgserve.router.config import RouterConfig
 from tgserve.router.tests.fakes import FakeEngineClient, make_state, text_script
+from tgserve.router.tokenization import RouterTokenizer
 
 pytestmark = pytest.mark.anyio
 ANSWER = " The capital of France is Paris. It is a city."
@@ -274,9 +275,8 @@ async def test_openapi_documents_every_response(tokenizer_dir, tokenizer):
     assert "text/event-stream" in paths["/generate_stream"]["post"]["responses"]["200"]["content"]
     assert "content" not in paths["/health"]["get"]["responses"]["200"]  # an empty body
     assert list(paths["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
-    assert paths["/tokenize"]["post"]["requestBody"]["content"]["application/json"]["schema"] == {
-        "type": "object"
-    }
+    tokenize = paths["/tokenize"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert len(tokenize["anyOf"]) == 3  # TGI's inputs, vLLM's prompt or messages
 
 
 async def test_openapi_states_what_bodies_the_server_takes(tokenizer_dir, tokenizer):
@@ -448,3 +448,46 @@ async def test_service_routes(tokenizer_dir, tokenizer):
     await http.post("/generate", json={"inputs": "x"})
     metrics = (await http.get("/metrics")).text
     assert "tgi_request_success 1.0" in metrics.splitlines()
+
+
+async def test_openapi_states_the_rules_the_server_enforces(tokenizer_dir, tokenizer):
+    """Bodies a schema-driven client may build are the ones the server takes: the rules it can state
+    (non-empty prompts, token ids in the vocabulary, tool_choice with tools, no watermark, one of a
+    shaped route's keys) are in /openapi.json, checked here with a JSON Schema validator."""
+    import jsonschema
+
+    _, http = build(tokenizer_dir, tokenizer)
+    document = (await http.get("/openapi.json")).json()
+    vocab = RouterTokenizer.from_directory(tokenizer_dir).vocab_size
+
+    def valid(path: str, body: object) -> bool:
+        schema = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        validator = jsonschema.Draft202012Validator({**schema, "components": document["components"]})
+        return validator.is_valid(body)
+
+    assert valid("/detokenize", {"tokens": [0, vocab - 1]})
+    assert not valid("/detokenize", {"tokens": [-1]}) and not valid("/detokenize", {"tokens": [vocab]})
+    assert valid("/v1/completions", {"prompt": [[1, 2], [3]]})
+    for empty in ("", [], [[]], [[1], []], [""], [-1], [vocab]):
+        assert not valid("/v1/completions", {"prompt": empty}), empty
+    assert valid("/v1/completions", {"prompt": "Hi", "stop_token_ids": [vocab - 1]})
+    assert not valid("/v1/completions", {"prompt": "Hi", "stop_token_ids": [vocab]})
+    chat = {"messages": [{"role": "user", "content": "Hi"}]}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    assert valid("/v1/chat/completions", {**chat, "tool_choice": "none"})
+    assert not valid("/v1/chat/completions", {**chat, "tool_choice": "required"})
+    assert not valid("/v1/chat/completions", {**chat, "tool_choice": "auto", "tools": []})
+    assert valid("/v1/chat/completions", {**chat, "tool_choice": "required", "tools": [tool]})
+    assert not valid("/generate", {"inputs": "Hi", "parameters": {"watermark": True}})
+    assert not valid("/generate", {"inputs": "Hi", "parameters": {"temperature": 0}})
+    assert valid("/generate", {"inputs": "Hi", "parameters": {"watermark": False, "temperature": 0.5}})
+    assert not valid("/generate", {"inputs": "Hi", "parameters": {"stop": [""]}})
+    assert not valid("/v1/completions", {"prompt": "Hi", "stop": ""})
+    image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+    assert not valid("/v1/chat/completions", {"messages": [image]})
+    text = {"role": "user", "content": [{"type": "text", "text": "Hi"}]}
+    assert valid("/v1/chat/completions", {"messages": [text]})
+    for path in ("/tokenize", "/invocations"):
+        assert not valid(path, {}), path
+    assert valid("/tokenize", {"inputs": "Hi"}) and valid("/tokenize", {"prompt": "Hi"})
+    assert valid("/invocations", chat) and valid("/invocations", {"inputs": "Hi"})
