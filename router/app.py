@@ -12,7 +12,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import tgserve
-from tgserve.router import openai_routes, sagemaker_routes, service_routes, tgi_routes
+from tgserve.router import openai_routes, sagemaker_routes, schema_rules, service_routes, tgi_routes
 from tgserve.router.errors import (
     MethodNotAllowedError,
     NotFoundError,
@@ -129,7 +129,14 @@ def create_app(state: RouterState) -> FastAPI:
     app.include_router(openai_routes.router)
     app.include_router(service_routes.router)
     app.include_router(sagemaker_routes.router)
-    install_openapi(app, state.tokenizer.vocab_size)
+    install_openapi(
+        app,
+        {
+            schema_rules.TOKEN_ID: state.tokenizer.vocab_size - 1,
+            schema_rules.MAX_BEST_OF: state.config.max_best_of,
+            schema_rules.MAX_INPUT_TOKENS: state.config.input_limit,
+        },
+    )
     app.add_exception_handler(RouterError, router_error_handler)
     app.add_exception_handler(StarletteHTTPException, unrouted_handler)
     app.add_exception_handler(ClientDisconnected, disconnected_handler)

@@ -18,7 +18,7 @@ from pydantic import BaseModel
 
 from tgserve.router.errors import error_status, is_openai_path
 from tgserve.router.openai_schemas import ChatCompletionRequest, CompletionRequest
-from tgserve.router.schema_rules import bound_token_ids
+from tgserve.router.schema_rules import TGI_STREAM_PARAMETERS, fill_bounds
 from tgserve.router.service_routes import DetokenizeRequest, VLLMTokenizeRequest
 from tgserve.router.tgi_schemas import TGIRequest, TGITokenizeRequest
 
@@ -65,15 +65,16 @@ OPENAI_ERROR = {
 }
 
 
-def install_openapi(app: FastAPI, vocab_size: int) -> None:
-    """Replace `app.openapi` with one that documents the request bodies and responses, token ids
-    bounded by the served model's vocabulary (built once, then cached)."""
+def install_openapi(app: FastAPI, maximums: dict[str, int]) -> None:
+    """Replace `app.openapi` with one that documents the request bodies and responses, the bounds
+    that the served model and the flags set filled in ({schema_rules mark: maximum}; built once,
+    then cached)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
             schema = with_responses(with_request_bodies(schema))
-            bound_token_ids(schema, vocab_size)
+            fill_bounds(schema, maximums)
             app.openapi_schema = schema
         return app.openapi_schema
 
@@ -118,9 +119,12 @@ def with_request_bodies(schema: dict[str, Any]) -> dict[str, Any]:
         body = model.model_json_schema(ref_template=REF)
         components.update(body.pop("$defs", {}))
         components[model.__name__] = body
+        body_schema: dict[str, Any] = {"$ref": REF.format(model=model.__name__)}
+        if path == "/generate_stream":  # TGI's request, always streamed
+            body_schema = {"allOf": [body_schema], "properties": {"parameters": TGI_STREAM_PARAMETERS}}
         operation["requestBody"] = {
             "required": True,
-            "content": {"application/json": {"schema": {"$ref": REF.format(model=model.__name__)}}},
+            "content": {"application/json": {"schema": body_schema}},
         }
     return schema
 

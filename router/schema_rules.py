@@ -2,8 +2,9 @@
 server enforces that a schema can say (a prompt is never empty, a token id is in the vocabulary),
 so that clients and fuzzers built from the schema send what the server takes.
 
-Token ids are marked where a model's field is declared and bounded by the served model's
-vocabulary when /openapi.json is built (`bound_token_ids`).
+Bounds that the served model or the server's flags set (token ids below the vocabulary's size,
+TGI's best_of and truncate) are marked where a field is declared and filled in when /openapi.json
+is built (`fill_bounds`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,11 @@ from typing import Annotated, Any
 
 from pydantic import BeforeValidator, Field
 
-TOKEN_ID = "x-tgserve-token-id"  # a mark, replaced by [0, vocabulary) when /openapi.json is built
+# Marks of bounds that the served model and the server's flags set, replaced by a "maximum" when
+# /openapi.json is built (`fill_bounds`).
+TOKEN_ID = "x-tgserve-token-id"  # a token id: below the vocabulary's size
+MAX_BEST_OF = "x-tgserve-max-best-of"  # TGI's best_of: at most --max-best-of
+MAX_INPUT_TOKENS = "x-tgserve-max-input-tokens"  # TGI's truncate: at most --max-input-tokens
 
 
 def _variants(schema: dict[str, Any]) -> list[dict[str, Any]]:
@@ -66,16 +71,28 @@ def number_bounds(**bounds: float):
     return extra
 
 
-def bound_token_ids(node: Any, vocab_size: int) -> None:
-    """Every marked token id (in place, through the whole schema) bounded by the vocabulary."""
+def flag_bound(mark: str):
+    """json_schema_extra of an optional integer bounded by a flag: marked, filled by `fill_bounds`."""
+
+    def extra(schema: dict[str, Any]) -> None:
+        for variant in _variants(schema):
+            if variant.get("type") == "integer":
+                variant[mark] = True
+
+    return extra
+
+
+def fill_bounds(node: Any, maximums: dict[str, int]) -> None:
+    """Every marked bound (in place, through the whole schema) given its maximum, {mark: maximum}."""
     if isinstance(node, dict):
-        if node.pop(TOKEN_ID, False):
-            node["maximum"] = vocab_size - 1
+        for mark, maximum in maximums.items():
+            if node.pop(mark, False):
+                node["maximum"] = maximum
         for value in node.values():
-            bound_token_ids(value, vocab_size)
+            fill_bounds(value, maximums)
     elif isinstance(node, list):
         for value in node:
-            bound_token_ids(value, vocab_size)
+            fill_bounds(value, maximums)
 
 
 def tools_for_tool_choice(schema: dict[str, Any]) -> None:
@@ -85,6 +102,43 @@ def tools_for_tool_choice(schema: dict[str, Any]) -> None:
         "properties": {"tool_choice": {"not": {"anyOf": [{"const": "none"}, {"type": "null"}]}}},
     }
     schema["then"] = {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}
+
+
+# TGI's parameters when the answer streams (/generate_stream, or "stream": true): no prompt
+# details, one sequence.
+TGI_STREAM_PARAMETERS: dict[str, Any] = {
+    "properties": {
+        "decoder_input_details": {"const": False},
+        "best_of": {"anyOf": [{"type": "null"}, {"type": "integer", "maximum": 1}]},
+    }
+}
+
+
+def tgi_best_of_samples(schema: dict[str, Any]) -> None:
+    """json_schema_extra of TGI's parameters: best_of > 1 samples (do_sample, or a warper away from
+    its neutral value: `tgi_schemas.is_sampling`)."""
+    schema["if"] = {"required": ["best_of"], "properties": {"best_of": {"type": "integer", "minimum": 2}}}
+    schema["then"] = {
+        "anyOf": [
+            {"required": ["do_sample"], "properties": {"do_sample": {"const": True}}},
+            {
+                "required": ["temperature"],
+                "properties": {"temperature": {"type": "number", "not": {"const": 1}}},
+            },
+            {"required": ["top_k"], "properties": {"top_k": {"type": "integer", "minimum": 1}}},
+            {"required": ["top_p"], "properties": {"top_p": {"type": "number", "exclusiveMaximum": 1}}},
+            {
+                "required": ["typical_p"],
+                "properties": {"typical_p": {"type": "number", "exclusiveMaximum": 1}},
+            },
+        ]
+    }
+
+
+def tgi_streams_take_stream_parameters(schema: dict[str, Any]) -> None:
+    """json_schema_extra of TGI's request: with "stream": true, TGI_STREAM_PARAMETERS."""
+    schema["if"] = {"required": ["stream"], "properties": {"stream": {"const": True}}}
+    schema["then"] = {"properties": {"parameters": TGI_STREAM_PARAMETERS}}
 
 
 def _whole(value: Any) -> Any:

@@ -9,7 +9,16 @@ from pydantic import BaseModel, ConfigDict, Field
 from tgserve.router.config import RouterConfig
 from tgserve.router.errors import ValidationError
 from tgserve.router.guided import TGIGrammar, grammar_guided
-from tgserve.router.schema_rules import non_empty_stop, number_bounds, whole
+from tgserve.router.schema_rules import (
+    MAX_BEST_OF,
+    MAX_INPUT_TOKENS,
+    flag_bound,
+    non_empty_stop,
+    number_bounds,
+    tgi_best_of_samples,
+    tgi_streams_take_stream_parameters,
+    whole,
+)
 from tgserve.router.validation import SamplingRequest, sampling_params
 
 STRICT = ConfigDict(extra="ignore", strict=True)
@@ -18,12 +27,12 @@ STRICT = ConfigDict(extra="ignore", strict=True)
 class TGIParameters(BaseModel):
     """`parameters` of /generate, /generate_stream and / (null means "not given", as clients send it)."""
 
-    model_config = STRICT
+    model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra=tgi_best_of_samples)
 
     # The schema states the ranges that `check_tgi_rules` and SamplingParams check with messages of
     # their own, and the features refused (no LoRA adapters, no watermark), apart from the flags'.
     adapter_id: str | None = Field(default=None, json_schema_extra={"anyOf": [{"type": "null"}]})
-    best_of: whole(gt=0) | None = None
+    best_of: whole(gt=0) | None = Field(default=None, json_schema_extra=flag_bound(MAX_BEST_OF))
     decoder_input_details: bool = False
     details: bool = False
     do_sample: bool = False
@@ -42,7 +51,7 @@ class TGIParameters(BaseModel):
     top_k: whole() | None = Field(default=None, json_schema_extra=number_bounds(minimum=1))
     top_n_tokens: whole(ge=0) | None = None
     top_p: float | None = Field(default=None, json_schema_extra=number_bounds(exclusiveMinimum=0, maximum=1))
-    truncate: whole(gt=0) | None = None
+    truncate: whole(gt=0) | None = Field(default=None, json_schema_extra=flag_bound(MAX_INPUT_TOKENS))
     typical_p: float | None = Field(
         default=None, json_schema_extra=number_bounds(exclusiveMinimum=0, maximum=1)
     )
@@ -50,7 +59,9 @@ class TGIParameters(BaseModel):
 
 
 class TGIRequest(BaseModel):
-    model_config = STRICT
+    model_config = ConfigDict(
+        extra="ignore", strict=True, json_schema_extra=tgi_streams_take_stream_parameters
+    )
 
     # An empty prompt is refused once tokenized (nothing to continue); the schema says so too.
     inputs: str = Field(json_schema_extra={"minLength": 1})

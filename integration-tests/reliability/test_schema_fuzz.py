@@ -24,8 +24,10 @@ WALL_S = 900
 
 @pytest.fixture(scope="module")
 def fuzz_server(start_server, tiny_model):
+    # Short answers: the schema states most of the server's rules, so most generated bodies are
+    # served, each with up to --max-total-tokens of generation (best_of 2 doubles it).
     return start_server(
-        ["--model-id", tiny_model, "--max-input-tokens", "64", "--max-total-tokens", "256"], name="fuzz"
+        ["--model-id", tiny_model, "--max-input-tokens", "64", "--max-total-tokens", "96"], name="fuzz"
     )
 
 

@@ -454,10 +454,10 @@ async def test_openapi_states_the_rules_the_server_enforces(tokenizer_dir, token
     """Bodies a schema-driven client may build are the ones the server takes: the rules it can state
     (non-empty prompts, token ids in the vocabulary, tool_choice with tools, no watermark, one of a
     shaped route's keys) are in /openapi.json, checked here with a JSON Schema validator."""
-    import jsonschema
+    jsonschema = pytest.importorskip("jsonschema")  # a test dependency of the main environment only
 
-    _, http = build(tokenizer_dir, tokenizer)
-    document = (await http.get("/openapi.json")).json()
+    _, state, app = fake_app(tokenizer_dir, tokenizer)
+    document = (await http_client(app).get("/openapi.json")).json()
     vocab = RouterTokenizer.from_directory(tokenizer_dir).vocab_size
 
     def valid(path: str, body: object) -> bool:
@@ -482,6 +482,17 @@ async def test_openapi_states_the_rules_the_server_enforces(tokenizer_dir, token
     assert not valid("/generate", {"inputs": "Hi", "parameters": {"temperature": 0}})
     assert valid("/generate", {"inputs": "Hi", "parameters": {"watermark": False, "temperature": 0.5}})
     assert not valid("/generate", {"inputs": "Hi", "parameters": {"stop": [""]}})
+    details = {"inputs": "Hi", "parameters": {"decoder_input_details": True}}
+    assert valid("/generate", details) and not valid("/generate_stream", details)
+    assert not valid("/generate", {**details, "stream": True})
+    assert not valid("/generate", {"inputs": "Hi", "parameters": {"best_of": 2}})
+    assert valid("/generate", {"inputs": "Hi", "parameters": {"best_of": 2, "top_k": 5}})
+    limits = state.config
+    too_many = {"best_of": limits.max_best_of + 1, "top_k": 5}
+    assert not valid("/generate", {"inputs": "Hi", "parameters": too_many})
+    assert valid("/generate", {"inputs": "Hi", "parameters": {"truncate": limits.input_limit}})
+    assert not valid("/generate", {"inputs": "Hi", "parameters": {"truncate": limits.input_limit + 1}})
+    assert not valid("/generate", {"inputs": "Hi", "parameters": {"best_of": 2, "temperature": 1.0}})
     assert not valid("/v1/completions", {"prompt": "Hi", "stop": ""})
     image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
     assert not valid("/v1/chat/completions", {"messages": [image]})

@@ -7,7 +7,7 @@ import pytest
 from tgserve.router.errors import ValidationError
 from tgserve.router.http import parse_json
 from tgserve.router.openai_schemas import CompletionRequest
-from tgserve.router.schema_rules import bound_token_ids, non_empty_prompt
+from tgserve.router.schema_rules import TOKEN_ID, fill_bounds, non_empty_prompt
 from tgserve.router.service_routes import DetokenizeRequest
 from tgserve.router.tgi_schemas import TGIRequest
 
@@ -28,7 +28,7 @@ def test_a_whole_float_is_the_integer_and_a_fraction_is_refused() -> None:
 def test_token_ids_are_marked_then_bounded_by_the_vocabulary() -> None:
     schema = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer"}}]}
     non_empty_prompt(schema)
-    bound_token_ids(schema, 768)
+    fill_bounds(schema, {TOKEN_ID: 767})
     ids = schema["anyOf"][1]
     assert ids == {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": 767}}
     assert schema["anyOf"][0] == {"type": "string", "minLength": 1}
