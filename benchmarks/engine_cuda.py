@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from tgserve.server.config.engine_args import EngineArgs
-from tgserve.server.engine.heap import freeze_startup_heap
+from tgserve.server.core.heap import freeze_startup_heap
 from tgserve.server.engine.llm_engine import LLMEngine
 from tgserve.server.protocol.params import SamplingParams
 

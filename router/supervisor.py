@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import logging
 import os
 import signal
@@ -35,6 +34,7 @@ from tgserve.router.generation import Admission, Generator
 from tgserve.router.metrics import RouterMetrics
 from tgserve.router.state import RouterState
 from tgserve.router.tokenization import RouterTokenizer, chat_renderer
+from tgserve.server.core.heap import freeze_startup_heap
 from tgserve.server.protocol.messages import EngineServiceConfig
 
 logger = logging.getLogger("tgserve.launcher")
@@ -151,22 +151,6 @@ def build_state(
     )
 
 
-def freeze_startup_heap() -> None:
-    """Keep what start-up built (the tokenizer, the chat template, the app and its pydantic models,
-    imported libraries) out of the garbage collector's full passes, which would walk all of it while
-    every stream waits: one collection now, then `gc.freeze`, as the engine process does
-    (server/engine/heap.py)."""
-    start = time.perf_counter()
-    gc.collect()
-    seconds = time.perf_counter() - start
-    gc.freeze()
-    logger.info(
-        "router: %d start-up objects kept out of full garbage collections (one took %.0f ms)",
-        gc.get_freeze_count(),
-        seconds * 1e3,
-    )
-
-
 async def stop_engine(
     client: EngineClient, process: subprocess.Popen[bytes], timeout_s: float = 10.0
 ) -> None:
@@ -226,7 +210,7 @@ async def _serve_on(
         await stop_engine(client, process, timeout_s=2.0)
         return 1
     app = create_app(state)
-    freeze_startup_heap()
+    freeze_startup_heap("router")
     client.start()
     uvicorn_config = uvicorn.Config(
         app,

@@ -26,7 +26,7 @@ import zmq
 
 from tgserve.server.config.buckets import BucketConfig
 from tgserve.server.config.engine_args import EngineArgs
-from tgserve.server.engine.heap import freeze_startup_heap
+from tgserve.server.core.heap import freeze_startup_heap
 from tgserve.server.engine.interface import Engine
 from tgserve.server.protocol import messages as p
 from tgserve.server.protocol.messages import EngineServiceConfig

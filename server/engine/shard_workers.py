@@ -22,8 +22,8 @@ import time
 import torch
 
 from tgserve.server.config.engine_args import EngineArgs
+from tgserve.server.core.heap import freeze_startup_heap
 from tgserve.server.distributed.tensor_parallel import init_tensor_parallel, shutdown_tensor_parallel
-from tgserve.server.engine.heap import freeze_startup_heap
 from tgserve.server.engine.model_shard import build_shard
 from tgserve.server.loading.description import ModelDescription, eos_token_ids, load_model_description
 from tgserve.server.loading.gguf_parsing import parsed_once

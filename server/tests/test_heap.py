@@ -6,7 +6,7 @@ import gc
 
 import pytest
 
-from tgserve.server.engine.heap import freeze_startup_heap
+from tgserve.server.core.heap import freeze_startup_heap
 
 
 @pytest.fixture
