@@ -106,6 +106,7 @@ def _decode_kernel(
     PDL: tl.constexpr = False,
     HOST: tl.constexpr = False,
     SCALE_AHEAD: tl.constexpr = False,
+    TAIL_N: tl.constexpr = 0,
 ):
     wait_for_inputs(PDL)
     seq = tl.program_id(0)
@@ -164,55 +165,52 @@ def _decode_kernel(
     # then needs 128 registers a thread instead of 136, so four programs fit an SM instead of three.
     # On an H200 the engine's decode step ran 0.2-1.1% faster at batches 1-16 and at 256
     # (docs/benchmarks/2026-12-01-decode-stages-and-early-inputs-h200.md).
+    # With TAIL_N, whole tiles of BLOCK_N keys, then the rest in tiles of TAIL_N: a context that ends
+    # just past a whole tile does not pay for a mostly empty one. The whole tiles' end is a multiple
+    # of BLOCK_N past `lo` (itself one), which Triton's analysis sees: their masks are uniform over
+    # runs of positions, so the scales' loads (a page's run) can be vector loads rather than one a
+    # token; the likely reason whole contexts ran faster this way too (FP8_HALF_TAIL).
+    whole_end = hi if TAIL_N == 0 else lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
     if SCALE_AHEAD:  # the first tile's scales, before the loop (see FP8_SCALES_AHEAD)
-        pos, in_ctx, page = _tile_pages(lo, hi, table, chosen_row, chosen_len, last, current, BLOCK_N, BLOCK_SIZE,
-                                        SELECT)  # fmt: skip
+        pos, in_ctx, page = _tile_pages(lo, whole_end, table, chosen_row, chosen_len, last, current, BLOCK_N,
+                                        BLOCK_SIZE, SELECT)  # fmt: skip
         next_k_scale, next_v_scale = _tile_scales(ks_ptr, vs_ptr, hks_ptr, hvs_ptr, page, pos, in_ctx, kv_head,
                                                   num_kv_heads, num_device_blocks, stride_hs_block, BLOCK_SIZE,
                                                   HOST)  # fmt: skip
-    for start in tl.range(lo, hi, BLOCK_N, num_stages=2):
-        pos, in_ctx, page = _tile_pages(start, hi, table, chosen_row, chosen_len, last, current, BLOCK_N, BLOCK_SIZE,
-                                        SELECT)  # fmt: skip
-        # Pages past the device pool's (HOST) are host blocks, read where they lie.
-        within = (pos % BLOCK_SIZE) * stride_c_off + kv_head * stride_c_head
-        k_at = block_address(
-            k_ptr, hk_ptr, page, num_device_blocks, stride_c_block, stride_h_block, within, HOST
-        )
-        v_at = block_address(
-            v_ptr, hv_ptr, page, num_device_blocks, stride_c_block, stride_h_block, within, HOST
-        )
-        k_at, v_at = k_at[:, None] + dims[None, :], v_at[:, None] + dims[None, :]
-        kv_mask = in_ctx[:, None] & dim_ok[None, :]
-        k = tl.load(k_at, mask=kv_mask, other=0.0)
-        v = tl.load(v_at, mask=kv_mask, other=0.0)
-        mask = in_ctx & (pos >= first)
+    for start in tl.range(lo, whole_end, BLOCK_N, num_stages=2):
+        pos, in_ctx, page = _tile_pages(start, whole_end, table, chosen_row, chosen_len, last, current, BLOCK_N,
+                                        BLOCK_SIZE, SELECT)  # fmt: skip
+        k_scale, v_scale = 1.0, 1.0  # unread without an fp8 cache
         if SCALE_AHEAD:
             # This tile's scales came a tile ago; the next tile's are loaded now, their latency
             # hidden behind this tile's products.
             k_scale, v_scale = next_k_scale, next_v_scale
-            ahead, ahead_in_ctx, ahead_page = _tile_pages(start + BLOCK_N, hi, table, chosen_row, chosen_len, last,
-                                                          current, BLOCK_N, BLOCK_SIZE, SELECT)  # fmt: skip
+            ahead, ahead_in_ctx, ahead_page = _tile_pages(start + BLOCK_N, whole_end, table, chosen_row, chosen_len,
+                                                          last, current, BLOCK_N, BLOCK_SIZE, SELECT)  # fmt: skip
             next_k_scale, next_v_scale = _tile_scales(ks_ptr, vs_ptr, hks_ptr, hvs_ptr, ahead_page, ahead,
                                                       ahead_in_ctx, kv_head, num_kv_heads, num_device_blocks,
                                                       stride_hs_block, BLOCK_SIZE, HOST)  # fmt: skip
         elif SCALED:  # fp8 in the cache, one float32 scale a (token, KV head)
             k_scale, v_scale = _tile_scales(ks_ptr, vs_ptr, hks_ptr, hvs_ptr, page, pos, in_ctx, kv_head, num_kv_heads,
                                             num_device_blocks, stride_hs_block, BLOCK_SIZE, HOST)  # fmt: skip
-        if F16_PRODUCTS:
-            # e4m3 widens to f16 exactly, two values an instruction: keys and values enter the
-            # products as stored, the keys' scales multiply the scores and the values' scales the
-            # probabilities ([rows, tile] each, not [tile, head_dim]). The weights carry the
-            # values' scales times V_WEIGHT, keeping them in f16's normal range as values of
-            # magnitude ~1 keep them; the sum is divided by it once at the end.
-            acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k.to(tl.float16), v.to(tl.float16), mask[None, :],
-                                        sm_scale, softcap, USE_SOFTCAP, PRECISION, k_scale=k_scale,
-                                        v_scale=v_scale * V_WEIGHT)  # fmt: skip
-        else:
-            if SCALED:  # a float32 query: dequantized to its dtype
-                k = (k.to(tl.float32) * k_scale[:, None]).to(q.dtype)
-                v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
-            acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k, v, mask[None, :], sm_scale, softcap,
-                                        USE_SOFTCAP, PRECISION)  # fmt: skip
+        acc, m_i, l_i = _attend_pages(acc, m_i, l_i, q, pos, in_ctx, page, k_scale, v_scale, first, dims, dim_ok,
+                                      k_ptr, v_ptr, hk_ptr, hv_ptr, kv_head, num_device_blocks, stride_c_block,
+                                      stride_h_block, stride_c_off, stride_c_head, sm_scale, softcap, BLOCK_SIZE,
+                                      USE_SOFTCAP, PRECISION, SCALED, F16_PRODUCTS, HOST)  # fmt: skip
+    if TAIL_N > 0:  # (names of their own: Triton keeps a name's shape across the loops)
+        for half_start in tl.range(whole_end, hi, TAIL_N):
+            half_pos, half_in_ctx, half_page = _tile_pages(half_start, hi, table, chosen_row, chosen_len, last,
+                                                           current, TAIL_N, BLOCK_SIZE, SELECT)  # fmt: skip
+            half_k_scale, half_v_scale = 1.0, 1.0
+            if SCALED:
+                half_k_scale, half_v_scale = _tile_scales(ks_ptr, vs_ptr, hks_ptr, hvs_ptr, half_page, half_pos,
+                                                          half_in_ctx, kv_head, num_kv_heads, num_device_blocks,
+                                                          stride_hs_block, BLOCK_SIZE, HOST)  # fmt: skip
+            acc, m_i, l_i = _attend_pages(acc, m_i, l_i, q, half_pos, half_in_ctx, half_page, half_k_scale,
+                                          half_v_scale, first, dims, dim_ok, k_ptr, v_ptr, hk_ptr, hv_ptr, kv_head,
+                                          num_device_blocks, stride_c_block, stride_h_block, stride_c_off,
+                                          stride_c_head, sm_scale, softcap, BLOCK_SIZE, USE_SOFTCAP, PRECISION,
+                                          SCALED, F16_PRODUCTS, HOST)  # fmt: skip
 
     if F16_PRODUCTS:
         acc = acc * (1.0 / V_WEIGHT)  # a power of two: exact
@@ -243,6 +241,40 @@ def _decode_kernel(
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         out_ptrs = out_ptr + seq * stride_os + heads[:, None] * stride_oh + dims[None, :]
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def _attend_pages(acc, m_i, l_i, q, pos, in_ctx, page, k_scale, v_scale, first, dims, dim_ok, k_ptr, v_ptr, hk_ptr,
+                  hv_ptr, kv_head, num_device_blocks, stride_c_block, stride_h_block, stride_c_off, stride_c_head,
+                  sm_scale, softcap, BLOCK_SIZE: tl.constexpr, USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
+                  SCALED: tl.constexpr, F16_PRODUCTS: tl.constexpr, HOST: tl.constexpr):  # fmt: skip
+    """Fold one tile's keys and values (positions `pos` on pages `page`) into the running softmax."""
+    # Pages past the device pool's (HOST) are host blocks, read where they lie.
+    within = (pos % BLOCK_SIZE) * stride_c_off + kv_head * stride_c_head
+    k_at = block_address(k_ptr, hk_ptr, page, num_device_blocks, stride_c_block, stride_h_block, within, HOST)
+    v_at = block_address(v_ptr, hv_ptr, page, num_device_blocks, stride_c_block, stride_h_block, within, HOST)
+    k_at, v_at = k_at[:, None] + dims[None, :], v_at[:, None] + dims[None, :]
+    kv_mask = in_ctx[:, None] & dim_ok[None, :]
+    k = tl.load(k_at, mask=kv_mask, other=0.0)
+    v = tl.load(v_at, mask=kv_mask, other=0.0)
+    mask = in_ctx & (pos >= first)
+    if F16_PRODUCTS:
+        # e4m3 widens to f16 exactly, two values an instruction: keys and values enter the
+        # products as stored, the keys' scales multiply the scores and the values' scales the
+        # probabilities ([rows, tile] each, not [tile, head_dim]). The weights carry the
+        # values' scales times V_WEIGHT, keeping them in f16's normal range as values of
+        # magnitude ~1 keep them; the sum is divided by it once at the end.
+        acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k.to(tl.float16), v.to(tl.float16), mask[None, :], sm_scale,
+                                    softcap, USE_SOFTCAP, PRECISION, k_scale=k_scale,
+                                    v_scale=v_scale * V_WEIGHT)  # fmt: skip
+    else:
+        if SCALED:  # a float32 query: dequantized to its dtype
+            k = (k.to(tl.float32) * k_scale[:, None]).to(q.dtype)
+            v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
+        acc, m_i, l_i = attend_tile(
+            acc, m_i, l_i, q, k, v, mask[None, :], sm_scale, softcap, USE_SOFTCAP, PRECISION
+        )
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -419,6 +451,13 @@ GPU_FP8_BLOCK_N = 128
 # (bf16 163), 64 x 4,096 265 -> 253 (bf16 250), batch 1 x 1M 989 -> 960 (bf16 1,186); outputs
 # bit-identical (docs/benchmarks/2026-12-04-gc-pauses-and-fp8-scales-h200.md).
 FP8_SCALES_AHEAD = True
+# Over an fp8 cache, the keys past the last whole tile go in tiles of half as many: a 128-key tile
+# costs about twice a 64-key one however few of its keys are in the context. One layer on an H200,
+# us, before / after (bf16's 64-key tiles): batch 256 x 520 tokens 161 / 151 (141), x 600 165 / 170
+# (158; two half tiles), x 640 167 / 157 (163); 64 x 4,096 254 / 217 (250); 1 x 1M 969 / 766
+# (1,184); outputs bit-identical. Contexts with no rest gain too, likely from the whole tiles'
+# uniform masks (see TAIL_N in the kernel).
+FP8_HALF_TAIL = True
 
 
 def choose_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_n: int) -> int:
@@ -514,6 +553,7 @@ def paged_decode(
         SELECT=selection is not None, SUMMARY=step_kv is not None and key_summary is not None,
         F16_PRODUCTS=kv_scale is not None and query.dtype != torch.float32,
         HOST=host is not None, SCALE_AHEAD=kv_scale is not None and FP8_SCALES_AHEAD,
+        TAIL_N=block_n // 2 if kv_scale is not None and FP8_HALF_TAIL else 0,
         **pdl(query),
     )  # fmt: skip
     return out

@@ -70,7 +70,10 @@ def _check(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("heads,splits,window", [((8, 2), 1, None), ((4, 4), 3, None), ((8, 1), 2, 6)])
 def test_decode_over_fp8_matches_reference(device, dtype, heads, splits, window):
-    batch = with_fp8_cache(make_paged_batch([1] * 5, [1, 7, 8, 17, 45], *heads, 32, 8, dtype, device, seed=3))
+    # Contexts ending past a whole tile by at most half a tile and by more (interpreter tiles of 16
+    # keys, GPU tiles of 128): the kernel reads such a rest in a half tile or in a whole one.
+    contexts = [1, 7, 8, 17, 45, 100, 200]
+    batch = with_fp8_cache(make_paged_batch([1] * 7, contexts, *heads, 32, 8, dtype, device, seed=3))
     out = torch.full_like(batch.query, float("nan"))
     paged_decode(batch.query, batch.kv_cache, batch.block_tables, batch.seq_lens, 0.3, window, out=out,
                  num_splits=splits, kv_scale=batch.kv_scale)  # fmt: skip
