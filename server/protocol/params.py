@@ -69,6 +69,10 @@ class GuidedDecoding:
             )
 
 
+# Temperatures below this sample greedily: logits of magnitude up to 1e33 stay finite when divided by
+# any larger one (vLLM's threshold too).
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
 FLOAT_FIELDS = ("temperature", "top_p", "typical_p", "min_p", "repetition_penalty", "frequency_penalty",
                 "presence_penalty")  # fmt: skip
 
@@ -77,7 +81,9 @@ FLOAT_FIELDS = ("temperature", "top_p", "typical_p", "min_p", "repetition_penalt
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    temperature 0 means greedy. `logprobs=None` returns no log-probabilities; `logprobs=n` returns
+    temperature 0 means greedy, and so does any temperature below GREEDY_BELOW_TEMPERATURE (as in
+    vLLM): dividing logits by it would overflow float32 to inf, and such a draw is the argmax
+    anyway. `logprobs=None` returns no log-probabilities; `logprobs=n` returns
     the chosen token's log-probability and the n most likely alternatives (n may be 0).
     `prompt_logprobs=n` does the same for every prompt token after the first (the first has no
     context to be predicted from); such a request computes its whole prompt, bypassing the prefix cache.
@@ -144,7 +150,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     @property
     def needs_penalties(self) -> bool:

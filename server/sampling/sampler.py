@@ -149,6 +149,19 @@ def _token_counts(token_lists: Sequence[Sequence[int]], vocab: int, device: torc
     return counts[:, :vocab]
 
 
+# The largest score kept: divided by any sampling temperature (>= GREEDY_BELOW_TEMPERATURE) it stays
+# below float32's maximum, so softmax never sees inf - inf.
+_MAX_SCORE = 1e33
+
+
+def finite_scores(logits: torch.Tensor) -> torch.Tensor:
+    """Scores every later step can compute with, in place: a repetition penalty near 0 (float32 0)
+    turns a seen token's positive logit into +inf (kept as the largest score) and a disallowed
+    token's -inf into nan (back to -inf). Without this a whole row's softmax is nan and argmax
+    picks token 0, whatever the grammar or the model says."""
+    return logits.nan_to_num_(nan=_NEG_INF, posinf=_MAX_SCORE, neginf=_NEG_INF).clamp_(max=_MAX_SCORE)
+
+
 def apply_repetition_penalty(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """HF semantics over prompt + output: a seen token's logit is divided by the penalty if positive,
     multiplied if negative."""
@@ -160,7 +173,9 @@ def apply_repetition_penalty(logits: torch.Tensor, rows: Sequence[SamplingRow]) 
     ]
     seen = _token_counts(tokens, logits.shape[-1], logits.device) > 0
     penalty = _param(penalties, logits)
-    return torch.where(seen, torch.where(logits < 0, logits * penalty, logits / penalty), logits)
+    return finite_scores(
+        torch.where(seen, torch.where(logits < 0, logits * penalty, logits / penalty), logits)
+    )
 
 
 def apply_frequency_presence(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -186,8 +201,10 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
 
 
 def temperature_warp(logits: torch.Tensor, temperature: Sequence[float]) -> torch.Tensor:
-    """Divides each row by its temperature (> 0: greedy rows never reach the warpers)."""
-    return logits / _param(temperature, logits)
+    """Divides each row by its temperature (>= GREEDY_BELOW_TEMPERATURE: greedy rows never reach
+    the warpers). One past float32's range (TGI sets no maximum) counts as _MAX_SCORE: every finite
+    score becomes ~0 and -inf stays -inf, where inf would make -inf / inf nan."""
+    return logits / _param(temperature, logits).clamp_(max=_MAX_SCORE)
 
 
 def top_k_filter(logits: torch.Tensor, top_k: Sequence[int]) -> torch.Tensor:

@@ -242,3 +242,42 @@ def test_logit_bias_forces_and_bans_tokens(temperature: float) -> None:
     best = logits.argmax(-1).tolist()
     banned = Sampler()(logits, [row(temperature=0.0, logit_bias={b: -100.0}) for b in best])
     assert all(t != b for t, b in zip(banned.token_ids.tolist(), best, strict=True))
+
+
+# Parameters the APIs accept whose float32 arithmetic overflows: a temperature below float32's
+# smallest normal (0 once converted) or past its largest (TGI sets no maximum), a repetition penalty
+# near 0. Each once made every score nan, and argmax then took token 0 whatever the mask allowed.
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": 5e-324},
+        {"temperature": 1e-40},
+        {"temperature": 1e300},
+        {"temperature": 1e38},
+        {"temperature": 1.0, "repetition_penalty": 1e-300},
+        {"temperature": 0.5, "repetition_penalty": 1e-36},
+        {"temperature": 1.0, "repetition_penalty": 1e300},
+    ],
+)
+def test_extreme_parameters_sample_only_allowed_tokens(params) -> None:
+    from tgserve.server.sampling.guided import TokenMask
+
+    allowed = [35, 37]
+    bits = torch.zeros(1, V // 32, dtype=torch.int32)
+    bits[0, 1] = (1 << 3) | (1 << 5)
+    mask = TokenMask([0], bits)
+    sampler = Sampler()
+    for step in range(8):
+        # Token 35 was seen: a repetition penalty works on it.
+        out = sampler(rand_logits(1, seed=step), [row(step, prompt=[1, 35], seed=7, **params)], mask)
+        assert out.token_ids.item() in allowed, (params, step)
+
+
+def test_temperatures_below_the_threshold_are_greedy() -> None:
+    from tgserve.server.protocol.params import GREEDY_BELOW_TEMPERATURE
+
+    logits = rand_logits(4)
+    rows = [row(temperature=t, seed=3) for t in (5e-324, 1e-40, 1e-9, GREEDY_BELOW_TEMPERATURE / 2)]
+    assert all(r.params.greedy for r in rows)
+    assert torch.equal(Sampler()(logits, rows).token_ids, logits.argmax(-1))
+    assert not SamplingParams(temperature=GREEDY_BELOW_TEMPERATURE).greedy
