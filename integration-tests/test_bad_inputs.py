@@ -52,6 +52,10 @@ CASES = [
     ),
     ("/generate", b'{"inputs": "hi", "parameters": {"repetition_penalty": 1e400}}', 422, "finite"),
     ("/v1/completions", b'{"prompt": "hi", "frequency_penalty": -1e400}', 400, "frequency_penalty"),
+    # Integers past 64 bits could not be sent to the engine (a 500 from its message encoder).
+    ("/generate_stream", b'{"inputs": "hi", "parameters": {"top_k": 76127592125291495424}}', 422, "top_k"),
+    ("/v1/completions", b'{"prompt": "hi", "top_k": 76127592125291495424}', 400, "top_k"),
+    ("/generate", b'{"inputs": "hi", "parameters": {"seed": 18446744073709551616}}', 422, "seed"),
 ]
 
 

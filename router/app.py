@@ -135,6 +135,11 @@ def create_app(state: RouterState) -> FastAPI:
             schema_rules.TOKEN_ID: state.tokenizer.vocab_size - 1,
             schema_rules.MAX_BEST_OF: state.config.max_best_of,
             schema_rules.MAX_INPUT_TOKENS: state.config.input_limit,
+            schema_rules.MAX_TOP_N_TOKENS: state.config.max_top_n_tokens,
+            schema_rules.MAX_NEW_TOKENS: state.config.total_limit - 1,
+            schema_rules.MAX_N: state.config.max_n,
+            schema_rules.MAX_STOP_SEQUENCES: state.config.max_stop_sequences,
+            schema_rules.MAX_CLIENT_BATCH: state.config.max_client_batch_size,
         },
     )
     app.add_exception_handler(RouterError, router_error_handler)

@@ -15,6 +15,9 @@ from tgserve.server.protocol.grammar import check_grammar
 from tgserve.server.protocol.params import GuidedDecoding, InvalidRequestError
 
 STRICT = ConfigDict(extra="ignore", strict=True)
+# A JSON schema a reply can follow, as /openapi.json states it: an object, or `true` (any JSON).
+# `false` allows no reply at all and is refused (400) before it reaches the engine.
+SERVABLE_SCHEMA: dict[str, Any] = {"anyOf": [{"type": "object"}, {"const": True}]}
 
 
 class JsonSchemaFormat(BaseModel):
@@ -44,7 +47,7 @@ class ResponseFormat(BaseModel):
                     "json_schema": {
                         "type": "object",
                         "required": ["schema"],
-                        "properties": {"schema": {"type": ["object", "boolean"]}},
+                        "properties": {"schema": SERVABLE_SCHEMA},
                     }
                 },
             },
@@ -59,16 +62,16 @@ class TGIGrammar(BaseModel):
     """TGI's `grammar`: `{"type": "json", "value": <a JSON schema, or its text>}` or
     `{"type": "regex", "value": "<a regular expression the whole output matches>"}`."""
 
-    # The schema says what each type's value is: a JSON schema (an object or a boolean; the server
-    # also takes its text; none: any JSON object) or a regular expression.
+    # The schema says what each type's value is: a JSON schema (SERVABLE_SCHEMA; the server also
+    # takes its text; none: any JSON object) or a regular expression.
     model_config = ConfigDict(
         extra="ignore",
         strict=True,
         json_schema_extra={
             "allOf": [
                 {
-                    "if": {"properties": {"type": {"const": "json"}}},
-                    "then": {"properties": {"value": {"type": ["object", "boolean", "null"]}}},
+                    "if": {"properties": {"type": {"enum": ["json", "json_object"]}}},
+                    "then": {"properties": {"value": {"anyOf": [SERVABLE_SCHEMA, {"type": "null"}]}}},
                 },
                 {
                     "if": {"properties": {"type": {"const": "regex"}}},

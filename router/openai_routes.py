@@ -15,6 +15,7 @@ from tgserve.router.http import EventStreamResponse, parse_json, sse, until_disc
 from tgserve.router.openai_schemas import (
     ChatCompletionRequest,
     CompletionRequest,
+    chat_sampling,
     chat_template_inputs,
     chat_tool_calling,
     openai_sampling,
@@ -68,13 +69,12 @@ def completion_specs(state: RouterState, request: CompletionRequest) -> list[Gen
     best_of = request.best_of or request.n
     if best_of < request.n:
         raise ValidationError(f"best_of ({best_of}) must be >= n ({request.n})", param="best_of")
-    if best_of > request.n:
-        if request.stream:
-            raise ValidationError("best_of > n cannot be used with stream", param="best_of")
-        if best_of > state.config.max_best_of:
-            raise ValidationError(
-                f"best_of is {best_of}, more than --max-best-of={state.config.max_best_of}", param="best_of"
-            )
+    if request.best_of is not None and best_of > state.config.max_best_of:  # even best_of == n: as stated
+        raise ValidationError(
+            f"best_of is {best_of}, more than --max-best-of={state.config.max_best_of}", param="best_of"
+        )
+    if best_of > request.n and request.stream:
+        raise ValidationError("best_of > n cannot be used with stream", param="best_of")
     # best_of ranks sequences by log-probability, so it needs them even when the client does not.
     logprobs = request.logprobs if request.logprobs is not None else (0 if best_of > request.n else None)
     # Echoed prompt tokens carry their log-probabilities too.
@@ -167,12 +167,7 @@ async def completions(request: Request) -> Response:
 def chat_specs(state: RouterState, request: ChatCompletionRequest) -> list[GenerationSpec]:
     calling = chat_tool_calling(request)
     prompt_ids = state.tokenizer.encode_chat(*chat_template_inputs(request, calling))
-    max_tokens = request.max_completion_tokens or request.max_tokens
-    logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    if request.top_logprobs and not request.logprobs:
-        raise ValidationError("top_logprobs needs logprobs=true", param="top_logprobs")
-    guided = None if calling is None else calling.guided()
-    sampling = openai_sampling(request, state.config, max_tokens, logprobs, request.n, guided=guided)
+    sampling = chat_sampling(request, state.config, calling)
     return [build_spec(state.config, state.tokenizer, prompt_ids, sampling, include_stop=False)]
 
 

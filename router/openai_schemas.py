@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -11,14 +12,23 @@ from tgserve.router.config import RouterConfig
 from tgserve.router.errors import ValidationError
 from tgserve.router.guided import ResponseFormat, response_format_guided
 from tgserve.router.schema_rules import (
+    MAX_BEST_OF,
+    MAX_LOGIT_BIAS,
+    MAX_N,
+    MAX_NEW_TOKENS,
+    MAX_TOP_N_TOKENS,
+    flag_bound,
+    logit_biases,
     non_empty_prompt,
     non_empty_stop,
+    number_bounds,
     token_id_lists,
     tools_for_tool_choice,
+    top_logprobs_with_logprobs,
     whole,
 )
 from tgserve.router.tools import Tool, ToolCalling, ToolChoice, tool_calling
-from tgserve.router.validation import SamplingRequest, sampling_params
+from tgserve.router.validation import MAX_SEED, MAX_TOP_K, MIN_SEED, SamplingRequest, sampling_params
 from tgserve.server.protocol.params import GuidedDecoding
 
 # Unknown fields are ignored (OpenAI clients send many); known ones are type-checked strictly.
@@ -59,17 +69,19 @@ class SamplingFields(OpenAIRequest):
     model: str | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    n: whole(ge=1) = 1
+    n: whole(ge=1) = Field(default=1, json_schema_extra=flag_bound(MAX_N))
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = Field(default=None, json_schema_extra=non_empty_stop)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
-    seed: whole() | None = None
+    logit_bias: dict[str, float] | None = Field(default=None, json_schema_extra=logit_biases)
+    seed: whole() | None = Field(
+        default=None, json_schema_extra=number_bounds(minimum=MIN_SEED, maximum=MAX_SEED)
+    )
     user: str | None = None
     # vLLM's extensions, used by its benchmark client among others.
-    top_k: whole(ge=-1) | None = None
+    top_k: whole(ge=-1) | None = Field(default=None, json_schema_extra=number_bounds(maximum=MAX_TOP_K))
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0)
     ignore_eos: bool = False
@@ -78,13 +90,17 @@ class SamplingFields(OpenAIRequest):
     response_format: ResponseFormat | None = None
 
 
+# Insertion is not served: a suffix, if given, is empty (the schema says so; a request with one is a 400).
+NO_SUFFIX: dict[str, Any] = {"anyOf": [{"type": "string", "maxLength": 0}, {"type": "null"}]}
+
+
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[whole()] | list[list[whole()]] = Field(json_schema_extra=non_empty_prompt)
-    max_tokens: whole(ge=1) | None = 16
-    logprobs: whole(ge=0) | None = None
+    max_tokens: whole(ge=1) | None = Field(default=16, json_schema_extra=flag_bound(MAX_NEW_TOKENS))
+    logprobs: whole(ge=0) | None = Field(default=None, json_schema_extra=flag_bound(MAX_TOP_N_TOKENS))
     echo: bool = False
-    best_of: whole(ge=1) | None = None
-    suffix: str | None = None
+    best_of: whole(ge=1) | None = Field(default=None, json_schema_extra=flag_bound(MAX_BEST_OF))
+    suffix: str | None = Field(default=None, json_schema_extra=NO_SUFFIX)
 
 
 class TextPart(BaseModel):
@@ -108,16 +124,21 @@ class ChatMessage(BaseModel):
 def _chat_rules(schema: dict[str, Any]) -> None:
     _nulls_allowed(schema)
     tools_for_tool_choice(schema)
+    top_logprobs_with_logprobs(schema)
 
 
 class ChatCompletionRequest(SamplingFields):
     model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra=_chat_rules)
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: whole(ge=1) | None = None
-    max_completion_tokens: whole(ge=1) | None = None
+    max_tokens: whole(ge=1) | None = Field(default=None, json_schema_extra=flag_bound(MAX_NEW_TOKENS))
+    max_completion_tokens: whole(ge=1) | None = Field(
+        default=None, json_schema_extra=flag_bound(MAX_NEW_TOKENS)
+    )
     logprobs: bool = False
-    top_logprobs: whole(ge=0, le=20) | None = None
+    top_logprobs: whole(ge=0, le=20) | None = Field(
+        default=None, json_schema_extra=flag_bound(MAX_TOP_N_TOKENS)
+    )
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -130,14 +151,14 @@ def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
 
 
 def logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
-    """OpenAI keys token ids as strings and bounds each bias to [-100, 100]."""
+    """OpenAI keys token ids as strings (in decimal, as /openapi.json states: not " 5", "+5" or
+    "05") and bounds each bias to [-100, 100]."""
     result: dict[int, float] = {}
     for key, value in (bias or {}).items():
-        try:
-            token_id = int(key)
-        except ValueError as exc:
-            raise ValidationError(f"logit_bias key {key!r} is not a token id", param="logit_bias") from exc
-        if not -100.0 <= value <= 100.0:
+        if not re.fullmatch("0|[1-9][0-9]*", key):
+            raise ValidationError(f"logit_bias key {key!r} is not a token id", param="logit_bias")
+        token_id = int(key)
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
             raise ValidationError(
                 f"logit_bias values must be in [-100, 100], got {value}", param="logit_bias"
             )
@@ -177,6 +198,19 @@ def openai_sampling(
         guided=guided or response_format_guided(request.response_format),
     )
     return SamplingRequest(params, max_tokens, n)
+
+
+def chat_sampling(
+    request: ChatCompletionRequest, config: RouterConfig, calling: ToolCalling | None
+) -> SamplingRequest:
+    """How a chat request samples (calling: its tool calling, `chat_tool_calling`); the limits
+    that depend on its prompt are `build_spec`'s."""
+    max_tokens = request.max_completion_tokens or request.max_tokens
+    logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    if request.top_logprobs and not request.logprobs:
+        raise ValidationError("top_logprobs needs logprobs=true", param="top_logprobs")
+    guided = None if calling is None else calling.guided()
+    return openai_sampling(request, config, max_tokens, logprobs, request.n, guided=guided)
 
 
 def message_text(message: ChatMessage) -> str:

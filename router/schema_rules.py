@@ -18,6 +18,22 @@ from pydantic import BeforeValidator, Field
 TOKEN_ID = "x-tgserve-token-id"  # a token id: below the vocabulary's size
 MAX_BEST_OF = "x-tgserve-max-best-of"  # TGI's best_of: at most --max-best-of
 MAX_INPUT_TOKENS = "x-tgserve-max-input-tokens"  # TGI's truncate: at most --max-input-tokens
+# TGI's top_n_tokens, OpenAI's logprobs (completions) and top_logprobs (chat): at most --max-top-n-tokens
+MAX_TOP_N_TOKENS = "x-tgserve-max-top-n-tokens"
+# The tokens to generate: at most --max-total-tokens less one (a prompt has at least one token)
+MAX_NEW_TOKENS = "x-tgserve-max-new-tokens"
+# OpenAI's n: at most --max-n (hidden; 16 by default)
+MAX_N = "x-tgserve-max-n"
+# Lists bounded by flags: stop strings (--max-stop-sequences), a batch of prompts (--max-client-batch-size)
+MAX_STOP_SEQUENCES = "x-tgserve-max-stop-sequences"
+MAX_CLIENT_BATCH = "x-tgserve-max-client-batch"
+# The keyword each mark becomes: "maximum" unless named here.
+BOUND_KEYWORDS = {MAX_STOP_SEQUENCES: "maxItems", MAX_CLIENT_BATCH: "maxItems"}
+# An object keyed by token ids (OpenAI's logit_bias): its keys are written in decimal, below the
+# vocabulary's size (TOKEN_ID's maximum), stated as a pattern
+TOKEN_ID_KEYS = "x-tgserve-token-id-keys"
+# A logit bias: OpenAI's range
+MAX_LOGIT_BIAS = 100.0
 
 
 def _variants(schema: dict[str, Any]) -> list[dict[str, Any]]:
@@ -37,6 +53,8 @@ def non_empty_prompt(schema: dict[str, Any]) -> None:
     nothing to continue), token ids in the vocabulary."""
     for variant in _variants(schema):
         _non_empty(variant)
+        if variant.get("type") == "array" and variant["items"].get("type") in ("string", "array"):
+            variant[MAX_CLIENT_BATCH] = True  # a batch of prompts
 
 
 def _non_empty(node: dict[str, Any]) -> None:
@@ -51,12 +69,13 @@ def _non_empty(node: dict[str, Any]) -> None:
 
 
 def non_empty_stop(schema: dict[str, Any]) -> None:
-    """json_schema_extra of stop strings (one or a list): none empty."""
+    """json_schema_extra of stop strings (one or a list): none empty, at most --max-stop-sequences."""
     for variant in _variants(schema):
         if variant.get("type") == "string":
             variant["minLength"] = 1
         elif variant.get("type") == "array":
             variant["items"]["minLength"] = 1
+            variant[MAX_STOP_SEQUENCES] = True
 
 
 def number_bounds(**bounds: float):
@@ -83,11 +102,15 @@ def flag_bound(mark: str):
 
 
 def fill_bounds(node: Any, maximums: dict[str, int]) -> None:
-    """Every marked bound (in place, through the whole schema) given its maximum, {mark: maximum}."""
+    """Every marked bound (in place, through the whole schema) given its maximum, {mark: maximum};
+    a maximum the field states itself (chat's top_logprobs: 20) stays where it is the lower."""
     if isinstance(node, dict):
+        if node.pop(TOKEN_ID_KEYS, False):
+            node["propertyNames"] = {"pattern": decimal_range_pattern(maximums[TOKEN_ID])}
         for mark, maximum in maximums.items():
             if node.pop(mark, False):
-                node["maximum"] = maximum
+                keyword = BOUND_KEYWORDS.get(mark, "maximum")
+                node[keyword] = min(maximum, node.get(keyword, maximum))
         for value in node.values():
             fill_bounds(value, maximums)
     elif isinstance(node, list):
@@ -95,13 +118,59 @@ def fill_bounds(node: Any, maximums: dict[str, int]) -> None:
             fill_bounds(value, maximums)
 
 
+def decimal_range_pattern(maximum: int) -> str:
+    """A regular expression matching the integers 0 to `maximum` written in decimal, without
+    leading zeros: the numbers with fewer digits, then for each digit of `maximum` those that agree
+    with it before that digit and are smaller there, then `maximum` itself."""
+    digits = str(maximum)
+    width = len(digits)
+    forms = ["0"] if width == 1 else ["0", f"[1-9][0-9]{{0,{width - 2}}}"]
+    for i, digit in enumerate(digits):
+        low = "1" if i == 0 else "0"
+        if int(digit) > int(low):
+            rest = width - i - 1
+            forms.append(f"{digits[:i]}[{low}-{int(digit) - 1}]" + (f"[0-9]{{{rest}}}" if rest else ""))
+    forms.append(digits)
+    return "^(" + "|".join(dict.fromkeys(forms)) + ")$"
+
+
+def logit_biases(schema: dict[str, Any]) -> None:
+    """json_schema_extra of OpenAI's optional logit_bias: token ids (decimal strings) to a bias in
+    [-100, 100]."""
+    for variant in _variants(schema):
+        if variant.get("type") == "object":
+            variant["additionalProperties"] = {
+                "type": "number",
+                "minimum": -MAX_LOGIT_BIAS,
+                "maximum": MAX_LOGIT_BIAS,
+            }
+            variant[TOKEN_ID_KEYS] = True
+
+
 def tools_for_tool_choice(schema: dict[str, Any]) -> None:
     """json_schema_extra of a chat request: a tool_choice other than "none" needs tools."""
-    schema["if"] = {
-        "required": ["tool_choice"],
-        "properties": {"tool_choice": {"not": {"anyOf": [{"const": "none"}, {"type": "null"}]}}},
-    }
-    schema["then"] = {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}
+    schema.setdefault("allOf", []).append(
+        {
+            "if": {
+                "required": ["tool_choice"],
+                "properties": {"tool_choice": {"not": {"anyOf": [{"const": "none"}, {"type": "null"}]}}},
+            },
+            "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}},
+        }
+    )
+
+
+def top_logprobs_with_logprobs(schema: dict[str, Any]) -> None:
+    """json_schema_extra of a chat request: top_logprobs of 1 or more needs logprobs true."""
+    schema.setdefault("allOf", []).append(
+        {
+            "if": {
+                "required": ["top_logprobs"],
+                "properties": {"top_logprobs": {"type": "integer", "minimum": 1}},
+            },
+            "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+        }
+    )
 
 
 # TGI's parameters when the answer streams (/generate_stream, or "stream": true): no prompt

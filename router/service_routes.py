@@ -15,6 +15,7 @@ from tgserve.router.http import json_object, parse_json, read_body
 from tgserve.router.openai_schemas import (
     ChatCompletionRequest,
     ChatMessage,
+    chat_sampling,
     chat_template_inputs,
     chat_tool_calling,
     message_text,
@@ -22,6 +23,7 @@ from tgserve.router.openai_schemas import (
 from tgserve.router.schema_rules import token_id_lists, whole
 from tgserve.router.state import router_state
 from tgserve.router.tgi_schemas import TGITokenizeRequest
+from tgserve.router.validation import check_fields, check_token_ids
 
 router = APIRouter()
 
@@ -119,7 +121,12 @@ async def chat_tokenize(request: Request) -> Response:
     """TGI's: a chat request's prompt as /v1/chat/completions renders it, and its tokens."""
     state = router_state(request)
     chat = parse_json(ChatCompletionRequest, await read_body(request, state.config.payload_limit))
-    messages, tools = chat_template_inputs(chat, chat_tool_calling(chat))
+    calling = chat_tool_calling(chat)
+    # Its sampling fields are checked as the chat route checks them: a body it refuses is refused here.
+    sampling = chat_sampling(chat, state.config, calling)
+    check_fields(state.config, sampling)
+    check_token_ids(state.tokenizer, sampling.params)
+    messages, tools = chat_template_inputs(chat, calling)
     text = state.tokenizer.chat_prompt(messages, tools=tools)
     # The template writes the special tokens it wants; the chat route adds none.
     return JSONResponse(

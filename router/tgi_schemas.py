@@ -12,6 +12,8 @@ from tgserve.router.guided import TGIGrammar, grammar_guided
 from tgserve.router.schema_rules import (
     MAX_BEST_OF,
     MAX_INPUT_TOKENS,
+    MAX_NEW_TOKENS,
+    MAX_TOP_N_TOKENS,
     flag_bound,
     non_empty_stop,
     number_bounds,
@@ -19,7 +21,7 @@ from tgserve.router.schema_rules import (
     tgi_streams_take_stream_parameters,
     whole,
 )
-from tgserve.router.validation import SamplingRequest, sampling_params
+from tgserve.router.validation import MAX_SEED, MAX_TOP_K, SamplingRequest, sampling_params
 
 STRICT = ConfigDict(extra="ignore", strict=True)
 
@@ -40,16 +42,16 @@ class TGIParameters(BaseModel):
         default=None, json_schema_extra=number_bounds(minimum=-2, maximum=2)
     )
     grammar: TGIGrammar | None = None
-    max_new_tokens: whole(gt=0) | None = None
+    max_new_tokens: whole(gt=0) | None = Field(default=None, json_schema_extra=flag_bound(MAX_NEW_TOKENS))
     repetition_penalty: float | None = Field(
         default=None, json_schema_extra=number_bounds(exclusiveMinimum=0)
     )
     return_full_text: bool | None = None
-    seed: whole(ge=0) | None = None
+    seed: whole(ge=0) | None = Field(default=None, json_schema_extra=number_bounds(maximum=MAX_SEED))
     stop: list[str] | None = Field(default=None, json_schema_extra=non_empty_stop)
     temperature: float | None = Field(default=None, json_schema_extra=number_bounds(exclusiveMinimum=0))
-    top_k: whole() | None = Field(default=None, json_schema_extra=number_bounds(minimum=1))
-    top_n_tokens: whole(ge=0) | None = None
+    top_k: whole() | None = Field(default=None, json_schema_extra=number_bounds(minimum=1, maximum=MAX_TOP_K))
+    top_n_tokens: whole(ge=0) | None = Field(default=None, json_schema_extra=flag_bound(MAX_TOP_N_TOKENS))
     top_p: float | None = Field(default=None, json_schema_extra=number_bounds(exclusiveMinimum=0, maximum=1))
     truncate: whole(gt=0) | None = Field(default=None, json_schema_extra=flag_bound(MAX_INPUT_TOKENS))
     typical_p: float | None = Field(

@@ -21,6 +21,9 @@ from tgserve.server.protocol.params import InvalidRequestError, SamplingParams
 # Seeds are 64-bit: TGI takes unsigned ones, vLLM signed ones; both ranges are accepted and a
 # negative seed stands for its unsigned twin (the sampler derives its generators' seeds from 64 bits).
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
+# TGI's top_k is an unsigned 32-bit integer; a larger one cannot reach the engine (its messages carry
+# 64-bit integers) and means nothing more than "every token".
+MAX_TOP_K = 2**32 - 1
 
 
 def sampling_params(**fields: Any) -> SamplingParams:
@@ -68,12 +71,31 @@ def check_limits(config: RouterConfig, num_prompt_tokens: int, request: Sampling
         )
     room = config.total_limit - num_prompt_tokens
     max_new_tokens = room if request.max_new_tokens is None else request.max_new_tokens
-    params = request.params
     if max_new_tokens <= 0:
         raise ValidationError(f"max_new_tokens must be positive, got {max_new_tokens}", param="max_tokens")
     if max_new_tokens > room:
         raise ValidationError(
             f"the prompt's {num_prompt_tokens} tokens plus max_new_tokens={max_new_tokens} exceed "
+            f"--max-total-tokens={config.total_limit}",
+            param="max_tokens",
+        )
+    check_fields(config, request)
+    return max_new_tokens
+
+
+def check_fields(config: RouterConfig, request: SamplingRequest) -> None:
+    """Check the limits that do not depend on the prompt (what /openapi.json can state)."""
+    params = request.params
+    if params.seed is not None and not MIN_SEED <= params.seed <= MAX_SEED:  # greedy or not: as stated
+        raise ValidationError(
+            f"seed must be a 64-bit integer, in [{MIN_SEED}, {MAX_SEED}]; got {params.seed}", param="seed"
+        )
+    if params.top_k > MAX_TOP_K:
+        raise ValidationError(f"top_k must be at most {MAX_TOP_K}, got {params.top_k}", param="top_k")
+    most = config.total_limit - 1  # after a prompt of one token
+    if request.max_new_tokens is not None and request.max_new_tokens > most:
+        raise ValidationError(
+            f"max_new_tokens={request.max_new_tokens} leaves no room for a prompt within "
             f"--max-total-tokens={config.total_limit}",
             param="max_tokens",
         )
@@ -90,7 +112,6 @@ def check_limits(config: RouterConfig, num_prompt_tokens: int, request: Sampling
             f"--max-top-n-tokens={config.max_top_n_tokens}",
             param="logprobs",
         )
-    return max_new_tokens
 
 
 def sequence_seeds(request: SamplingRequest) -> list[int | None]:
@@ -103,11 +124,13 @@ def sequence_seeds(request: SamplingRequest) -> list[int | None]:
         return [None] * n
     if seed is None:
         return [random.randint(0, MAX_SEED) for _ in range(n)]
-    if not MIN_SEED <= seed <= MAX_SEED:
-        raise ValidationError(
-            f"seed must be a 64-bit integer, in [{MIN_SEED}, {MAX_SEED}]; got {seed}", param="seed"
-        )
     return [(seed + i) % (MAX_SEED + 1) for i in range(n)]
+
+
+def check_token_ids(tokenizer: RouterTokenizer, params: SamplingParams) -> None:
+    """The token ids that sampling fields name (logit_bias, stop_token_ids) are in the vocabulary."""
+    tokenizer.check_ids(list(params.logit_bias), "logit_bias")
+    tokenizer.check_ids(list(params.stop_token_ids), "stop_token_ids")
 
 
 def build_spec(
@@ -121,8 +144,7 @@ def build_spec(
     max_new_tokens = check_limits(config, len(prompt_token_ids), request)
     shared = request.params
     tokenizer.check_ids(prompt_token_ids, "prompt")
-    tokenizer.check_ids(list(shared.logit_bias), "logit_bias")
-    tokenizer.check_ids(list(shared.stop_token_ids), "stop_token_ids")
+    check_token_ids(tokenizer, shared)
     # The prompt is scored once, by the first of its sequences: the others share its answer.
     params = [
         dataclasses.replace(

@@ -445,6 +445,16 @@ async def test_service_routes(tokenizer_dir, tokenizer):
     chat_ids = (await http.post("/tokenize", json={"messages": messages})).json()["tokens"]
     assert [t["id"] for t in chat["tokenize_response"]] == chat_ids  # what the chat route sends
     assert "".join(t["text"] for t in chat["tokenize_response"]) == chat["templated_text"]
+    # The chat route's checks of the sampling fields hold here too (a TGI route: its 422).
+    for refused in (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+        {"logprobs": True, "top_logprobs": 6},  # over --max-top-n-tokens (5)
+        {"stop": ["a", "b", "c", "d", "e"]},  # over --max-stop-sequences (4)
+        {"stop_token_ids": [10**6]},  # not in the vocabulary
+        {"max_completion_tokens": 256},  # no room for a prompt under --max-total-tokens (256)
+    ):
+        answer = await http.post("/chat_tokenize", json={"messages": messages, **refused})
+        assert answer.status_code == 422 and answer.json()["error"], (refused, answer.text)
     await http.post("/generate", json={"inputs": "x"})
     metrics = (await http.get("/metrics")).text
     assert "tgi_request_success 1.0" in metrics.splitlines()
@@ -498,6 +508,49 @@ async def test_openapi_states_the_rules_the_server_enforces(tokenizer_dir, token
     assert not valid("/v1/chat/completions", {"messages": [image]})
     text = {"role": "user", "content": [{"type": "text", "text": "Hi"}]}
     assert valid("/v1/chat/completions", {"messages": [text]})
+    top = limits.max_top_n_tokens
+    assert valid("/generate", {"inputs": "Hi", "parameters": {"top_n_tokens": top}})
+    assert not valid("/generate", {"inputs": "Hi", "parameters": {"top_n_tokens": top + 1}})
+    assert not valid("/v1/completions", {"prompt": "Hi", "logprobs": top + 1})
+    assert valid("/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": top})
+    assert not valid("/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": top + 1})
+    for schema, servable in (({"type": "object"}, True), (True, True), (False, False)):
+        fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+        assert valid("/v1/chat/completions", {**chat, "response_format": fmt}) == servable, schema
+        grammar = {"type": "json", "value": schema}
+        assert valid("/generate", {"inputs": "Hi", "parameters": {"grammar": grammar}}) == servable, schema
+    most = limits.total_limit - 1  # new tokens after a one-token prompt
+    assert valid("/generate", {"inputs": "Hi", "parameters": {"max_new_tokens": most}})
+    assert not valid("/generate", {"inputs": "Hi", "parameters": {"max_new_tokens": most + 1}})
+    assert not valid("/v1/completions", {"prompt": "Hi", "max_tokens": most + 1})
+    assert not valid("/v1/chat/completions", {**chat, "max_completion_tokens": most + 1})
+    assert valid("/v1/completions", {"prompt": "Hi", "logit_bias": {"0": -100, str(vocab - 1): 100}})
+    for key in (str(vocab), "05", "-1", "x", " 1"):
+        assert not valid("/v1/completions", {"prompt": "Hi", "logit_bias": {key: 1}}), key
+    assert not valid("/v1/completions", {"prompt": "Hi", "logit_bias": {"1": 101}})
+    assert not valid("/v1/completions", {"prompt": "Hi", "n": limits.max_n + 1})
+    assert not valid("/v1/completions", {"prompt": "Hi", "best_of": limits.max_best_of + 1})
+    stops = ["s"] * limits.max_stop_sequences
+    assert valid("/v1/completions", {"prompt": "Hi", "stop": stops})
+    assert not valid("/v1/completions", {"prompt": "Hi", "stop": [*stops, "t"]})
+    assert not valid("/generate", {"inputs": "Hi", "parameters": {"stop": [*stops, "t"]}})
+    batch = ["Hi"] * limits.max_client_batch_size
+    assert valid("/v1/completions", {"prompt": batch}) and not valid(
+        "/v1/completions", {"prompt": [*batch, "x"]}
+    )
+    assert valid(
+        "/v1/completions", {"prompt": list(range(1, limits.max_client_batch_size + 3))}
+    )  # one prompt
+    assert valid("/v1/completions", {"prompt": "Hi", "suffix": ""})
+    assert not valid("/v1/completions", {"prompt": "Hi", "suffix": "x"})  # insertion is not served
+    assert not valid("/v1/chat/completions", {**chat, "top_logprobs": 2})
+    assert valid("/v1/chat/completions", {**chat, "top_logprobs": 0})
+    assert not valid("/v1/completions", {"prompt": "Hi", "seed": 2**64})
+    assert not valid("/generate", {"inputs": "Hi", "parameters": {"seed": 2**64}})
+    assert not valid("/generate", {"inputs": "Hi", "parameters": {"top_k": 2**32}})
+    assert not valid("/v1/completions", {"prompt": "Hi", "top_k": 2**32})
+    grammar = {"type": "json_object", "value": "not a schema"}
+    assert not valid("/generate", {"inputs": "Hi", "parameters": {"grammar": grammar}})
     for path in ("/tokenize", "/invocations"):
         assert not valid(path, {}), path
     assert valid("/tokenize", {"inputs": "Hi"}) and valid("/tokenize", {"prompt": "Hi"})

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tgserve.router.errors import ValidationError
 from tgserve.router.http import parse_json
 from tgserve.router.openai_schemas import CompletionRequest
-from tgserve.router.schema_rules import TOKEN_ID, fill_bounds, non_empty_prompt
+from tgserve.router.schema_rules import TOKEN_ID, decimal_range_pattern, fill_bounds, non_empty_prompt
 from tgserve.router.service_routes import DetokenizeRequest
 from tgserve.router.tgi_schemas import TGIRequest
 
@@ -32,3 +34,12 @@ def test_token_ids_are_marked_then_bounded_by_the_vocabulary() -> None:
     ids = schema["anyOf"][1]
     assert ids == {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": 767}}
     assert schema["anyOf"][0] == {"type": "string", "minLength": 1}
+
+
+@pytest.mark.parametrize("maximum", [0, 7, 9, 10, 99, 100, 767, 1000, 49151])
+def test_the_token_id_key_pattern_matches_exactly_the_ids_in_range(maximum: int) -> None:
+    pattern = re.compile(decimal_range_pattern(maximum))
+    for number in range(3 * maximum + 30):
+        assert bool(pattern.search(str(number))) == (number <= maximum), number
+    for written in ("00", "05", "-1", "+1", " 1", "1_0", "1.0", ""):
+        assert not pattern.search(written), written

@@ -12,6 +12,7 @@ from tgserve.router.tokenization import RouterTokenizer
 from tgserve.router.validation import (
     SamplingRequest,
     build_spec,
+    check_fields,
     check_limits,
     sampling_params,
     sequence_seeds,
@@ -61,8 +62,9 @@ def test_seeds_are_derived_and_reproducible():
     drawn = sequence_seeds(ask(n=3))
     assert len(set(drawn)) == 3 and all(isinstance(s, int) for s in drawn)
     assert sequence_seeds(ask(seed=-1, n=2)) == [2**64 - 1, 0]  # a signed seed's unsigned twin
-    with pytest.raises(ValidationError, match="64-bit"):
-        sequence_seeds(ask(seed=2**64))
+    for seed, temperature in ((2**64, 1.0), (-(2**63) - 1, 1.0), (2**64, 0.0)):  # greedy or not
+        with pytest.raises(ValidationError, match="64-bit"):
+            check_fields(CONFIG, ask(seed=seed, temperature=temperature))
 
 
 def test_build_spec_checks_sampling_params_and_vocabulary(tokenizer):
