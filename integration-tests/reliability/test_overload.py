@@ -2,9 +2,10 @@
 
 What must hold: each client is either admitted, and its stream ends with a finish reason and the same
 text as the greedy answer to its prompt computed alone (batching 128 requests changes nothing), or
-refused with a 429 without waiting for a slot; nothing else (no 5xx, no hang). In the burst a 429
-takes as long as the router needs to read and validate the requests that arrived with it, so the
-promptness of a refusal is also timed alone: a request sent while 128 streams hold every slot.
+refused with a 429 without waiting for a slot; nothing else (no 5xx, no hang), and never more
+streams at once than the limit. In the burst a 429 takes as long as the router needs to read and
+validate the requests that arrived with it, so the promptness of a refusal is timed alone: a
+request sent while 128 streams hold every slot.
 Afterwards the server still serves, and every KV block is free again. Prints the admitted and refused
 counts, the time to first token and total latency of the admitted streams, and the refusals' times,
 for docs/reliability.md.
@@ -22,7 +23,7 @@ import openai
 
 NUM_CLIENTS = 256
 MAX_CONCURRENT = 128
-MAX_TOKENS = 32  # long enough that the first 128 streams still run when the last clients arrive
+MAX_TOKENS = 32
 PROMPTS = [f"Visitor {i} asks the way to the old mill by the river" for i in range(8)]
 CLIENT_TIMEOUT_S = 60.0
 BURST_BOUND_S = 120.0  # the whole burst; a hang fails the test here rather than in the client
@@ -151,8 +152,13 @@ def test_256_streams_against_128_admitted_are_served_whole_or_refused_at_once(st
     assert all(o.finish_reason in ("length", "stop") for o in admitted)
     wrong = [(o.prompt, o.text) for o in admitted if o.text != references[o.prompt]]
     assert not wrong, wrong[:3]
-    # No refused client waited for a slot: each had its 429 before any admitted stream had ended.
-    assert max(o.total_s for o in refused) < min(o.total_s for o in admitted)
+    # The limit held: a client past the 128th was admitted only into a slot that an ended stream had
+    # freed (a stream may end while the burst is still being read: the router validates 256 requests
+    # in 0.6-1 s on two cores, and the first streams can finish their tokens in 0.4 s). Promptness
+    # of a refusal is timed alone, below.
+    last_refusal = max(o.total_s for o in refused)
+    freed = sum(o.total_s < last_refusal for o in admitted)
+    assert len(admitted) <= MAX_CONCURRENT + freed, (len(admitted), freed)
 
     probes = asyncio.run(asyncio.wait_for(refusals_while_full(server), BURST_BOUND_S))
     times = [seconds for _, seconds in probes]
