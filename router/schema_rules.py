@@ -147,29 +147,29 @@ def logit_biases(schema: dict[str, Any]) -> None:
             variant[TOKEN_ID_KEYS] = True
 
 
+def add_rule(schema: dict[str, Any], when: dict[str, Any], then: dict[str, Any]) -> None:
+    """A rule between fields (`then` holds for a body `when` matches), beside the schema's others."""
+    schema.setdefault("allOf", []).append({"if": when, "then": then})
+
+
 def tools_for_tool_choice(schema: dict[str, Any]) -> None:
     """json_schema_extra of a chat request: a tool_choice other than "none" needs tools."""
-    schema.setdefault("allOf", []).append(
+    add_rule(
+        schema,
         {
-            "if": {
-                "required": ["tool_choice"],
-                "properties": {"tool_choice": {"not": {"anyOf": [{"const": "none"}, {"type": "null"}]}}},
-            },
-            "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}},
-        }
+            "required": ["tool_choice"],
+            "properties": {"tool_choice": {"not": {"anyOf": [{"const": "none"}, {"type": "null"}]}}},
+        },
+        {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}},
     )
 
 
 def top_logprobs_with_logprobs(schema: dict[str, Any]) -> None:
     """json_schema_extra of a chat request: top_logprobs of 1 or more needs logprobs true."""
-    schema.setdefault("allOf", []).append(
-        {
-            "if": {
-                "required": ["top_logprobs"],
-                "properties": {"top_logprobs": {"type": "integer", "minimum": 1}},
-            },
-            "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
-        }
+    add_rule(
+        schema,
+        {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer", "minimum": 1}}},
+        {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
     )
 
 
@@ -186,8 +186,7 @@ TGI_STREAM_PARAMETERS: dict[str, Any] = {
 def tgi_best_of_samples(schema: dict[str, Any]) -> None:
     """json_schema_extra of TGI's parameters: best_of > 1 samples (do_sample, or a warper away from
     its neutral value: `tgi_schemas.is_sampling`)."""
-    schema["if"] = {"required": ["best_of"], "properties": {"best_of": {"type": "integer", "minimum": 2}}}
-    schema["then"] = {
+    samples = {
         "anyOf": [
             {"required": ["do_sample"], "properties": {"do_sample": {"const": True}}},
             {
@@ -202,12 +201,20 @@ def tgi_best_of_samples(schema: dict[str, Any]) -> None:
             },
         ]
     }
+    add_rule(
+        schema,
+        {"required": ["best_of"], "properties": {"best_of": {"type": "integer", "minimum": 2}}},
+        samples,
+    )
 
 
 def tgi_streams_take_stream_parameters(schema: dict[str, Any]) -> None:
     """json_schema_extra of TGI's request: with "stream": true, TGI_STREAM_PARAMETERS."""
-    schema["if"] = {"required": ["stream"], "properties": {"stream": {"const": True}}}
-    schema["then"] = {"properties": {"parameters": TGI_STREAM_PARAMETERS}}
+    add_rule(
+        schema,
+        {"required": ["stream"], "properties": {"stream": {"const": True}}},
+        {"properties": {"parameters": TGI_STREAM_PARAMETERS}},
+    )
 
 
 def _whole(value: Any) -> Any:
