@@ -460,12 +460,34 @@ FP8_SCALES_AHEAD = True
 FP8_HALF_TAIL = True
 
 
+# Over an fp8 cache, a launch with at least a (sequence, KV head) program per SM takes 64-key tiles
+# and 2 warps: there the kernel is bound by the instructions that widen and scale each key, not by
+# bytes, and more, smaller programs resident per SM hide their latency better. Fewer programs (split
+# launches: small batches, long contexts) keep 128-key tiles and 4 warps. One layer on an H200 (32
+# query / 8 KV heads of 128), us, 128-key x 4 warps / 64 x 2 (bf16): batch 256 x 515 tokens 151 /
+# 127 (138), 256 x 640 157 / 141 (160), 64 x 4,096 218 / 196 (245), 32 x 16K 401 / 370 (490), 16 x
+# 8K 136 / 128 (148), 4 x 2K 13.9 / 17.7 (18.0), 1 x 1M 771 / 1,098 (1,205). bf16 gains nothing from
+# 2 warps (256 x 515: 149 against 138); docs/benchmarks/2026-12-04-fp8-decode-tiles-by-work-h200.md.
+FP8_MANY_PROGRAMS_TILE = (64, 2)  # (keys a tile, warps)
+FP8_FEW_PROGRAMS_TILE = (GPU_FP8_BLOCK_N, 4)
+
+
+def _sm_count() -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
+def fp8_tile(num_seqs: int, num_kv_heads: int) -> tuple[int, int]:
+    """(keys a tile, warps) of a decode launch over an fp8 cache on a GPU: fixed by the batch size, so
+    a captured decode graph keeps one choice whatever the contexts it later replays with."""
+    many = num_seqs * num_kv_heads >= _sm_count()
+    return FP8_MANY_PROGRAMS_TILE if many else FP8_FEW_PROGRAMS_TILE
+
+
 def choose_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_n: int) -> int:
     """Enough context splits to give the GPU about two programs per SM, none shorter than 4 tiles."""
     if interpreting() or not torch.cuda.is_available():
         return 1
-    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    want = triton.cdiv(2 * sms, max(1, num_seqs * num_kv_heads))
+    want = triton.cdiv(2 * _sm_count(), max(1, num_seqs * num_kv_heads))
     return max(1, min(want, triton.cdiv(max_context, 4 * block_n), MAX_AUTO_SPLITS))
 
 
@@ -511,7 +533,7 @@ def paged_decode(
     if num_seqs == 0:
         return out
     assert query.stride(2) == 1 and kv_cache.stride(4) == 1 and out.stride(2) == 1
-    block_n = block_n or (16 if interpreting() else GPU_BLOCK_N if kv_scale is None else GPU_FP8_BLOCK_N)
+    block_n, num_warps = _tile(num_seqs, num_kv_heads, kv_scale is not None, step_kv is not None, block_n)
     max_context = max_seq_len or block_tables.shape[1] * block_size
     splits = num_splits or choose_splits(num_seqs, num_kv_heads, max_context, block_n)
     block_d = triton.next_power_of_2(head_dim)
@@ -554,9 +576,26 @@ def paged_decode(
         F16_PRODUCTS=kv_scale is not None and query.dtype != torch.float32,
         HOST=host is not None, SCALE_AHEAD=kv_scale is not None and FP8_SCALES_AHEAD,
         TAIL_N=block_n // 2 if kv_scale is not None and FP8_HALF_TAIL else 0,
-        **pdl(query),
+        num_warps=num_warps, **pdl(query),
     )  # fmt: skip
     return out
+
+
+def _tile(
+    num_seqs: int, num_kv_heads: int, fp8: bool, decode_step: bool, block_n: int | None
+) -> tuple[int, int]:
+    """(keys a tile, warps): a caller's block_n with 4 warps, else by the cache's dtype and, for a
+    decode step's launch over fp8, the work. Only decode steps (those that store the step's keys)
+    follow the work: their kernels compile when start-up captures a decode graph per batch size. A
+    prompt step's kept rows keep the few-programs tile, the kernel warm-up's prompts compile; by
+    the work, a first step of 17 or more prompts paid a compile of 2-3 s on a fresh H200."""
+    if block_n:
+        return block_n, 4
+    if interpreting():
+        return 16, 4
+    if not fp8:
+        return GPU_BLOCK_N, 4
+    return fp8_tile(num_seqs, num_kv_heads) if decode_step else FP8_FEW_PROGRAMS_TILE
 
 
 def _merge_tile(group: int, block_d: int) -> tuple[int, int]:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tgserve.kernels import dispatch, reference
+from tgserve.kernels import paged_decode as paged_decode_module
 from tgserve.kernels.fp8_format import FP8, dequantize_kv, quantize_kv
 from tgserve.kernels.kv_write import write_kv
 from tgserve.kernels.paged_decode import paged_decode
@@ -78,6 +79,29 @@ def test_decode_over_fp8_matches_reference(device, dtype, heads, splits, window)
     paged_decode(batch.query, batch.kv_cache, batch.block_tables, batch.seq_lens, 0.3, window, out=out,
                  num_splits=splits, kv_scale=batch.kv_scale)  # fmt: skip
     _check(out, _reference(batch, 0.3, window), dtype)
+
+
+@pytest.mark.parametrize("many_programs", [False, True])
+def test_decode_over_fp8_in_either_gpu_tile(device, monkeypatch, many_programs):
+    """The GPU's two fp8 tiles of a decode step (128 keys x 4 warps for few programs, 64 x 2 for a
+    program per SM or more), each chosen by pretending the GPU has more or fewer SMs than the launch
+    has programs; the step stores its keys, as the engine's decode steps do."""
+    if device != "cuda":
+        pytest.skip("the tile is chosen by the work only on a GPU (the interpreter takes 16 keys)")
+    monkeypatch.setattr(paged_decode_module, "_sm_count", lambda: 1 if many_programs else 10**6)
+    want_tile = (
+        paged_decode_module.FP8_MANY_PROGRAMS_TILE
+        if many_programs
+        else paged_decode_module.FP8_FEW_PROGRAMS_TILE
+    )
+    assert paged_decode_module.fp8_tile(7, 4) == want_tile
+    contexts = [1, 63, 64, 97, 130, 200, 300]  # rests under and over half of either tile
+    full = make_paged_batch([1] * 7, contexts, 16, 4, 128, 16, torch.float16, device, seed=5)
+    batch = with_fp8_cache(full)
+    out = torch.full_like(batch.query, float("nan"))
+    paged_decode(batch.query, batch.kv_cache, batch.block_tables, batch.seq_lens, 0.1, out=out,
+                 step_kv=(full.key, full.value, full.slot_mapping), kv_scale=batch.kv_scale)  # fmt: skip
+    _check(out, _reference(batch, 0.1), torch.float16)
 
 
 @pytest.mark.parametrize("splits", [1, 3])
