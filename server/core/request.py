@@ -54,6 +54,9 @@ class Request:
         self.num_computed_tokens = 0
         # Tokens being sampled by steps whose output has not arrived yet (async scheduling).
         self.num_output_placeholders = 0
+        # A step gave it no token (its grammar's mask was late): steps already scheduled after that
+        # one read a token that never came, so it is not scheduled again until they are all back.
+        self.held_for_deferred = False
         # Prompt tokens found in the prefix cache the first time the request was scheduled.
         self.num_cached_tokens = -1
         self.num_preemptions = 0

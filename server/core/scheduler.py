@@ -12,7 +12,7 @@ its blocks are freed and it is recomputed later. Plain Python; the model runner 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from tgserve.server.config.scheduler import SchedulerConfig
 from tgserve.server.core.block_manager import BlockManager, PrefixHit
@@ -163,12 +163,13 @@ class Scheduler:
 
     # ---- one step --------------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, hold: Collection[str] = ()) -> SchedulerOutput:
         """Plan the next step; its tokens count as computed from here on (the output's request data
-        carry the counts from before the step, where the runner starts)."""
+        carry the counts from before the step, where the runner starts). Running requests in
+        `hold` sit this step out (a deferred one whose grammar's mask is still being computed)."""
         plan = _StepPlan(self.config.max_num_batched_tokens)
         if not self._schedule_whole_prompt(plan):
-            self._schedule_running(plan)
+            self._schedule_running(plan, hold)
             # After a preemption the pool is known to be short: admitting newcomers would only get
             # them (or the requests just preempted) preempted again.
             if not plan.preempted:
@@ -190,18 +191,24 @@ class Scheduler:
             kv_transfers=self.block_manager.take_kv_transfers(),
         )
 
-    def _schedule_running(self, plan: _StepPlan) -> None:
+    def _schedule_running(self, plan: _StepPlan, hold: Collection[str] = ()) -> None:
         # Requests whose tokens in flight finish them compute nothing more: their blocks serve the
         # others from this step on (the step still writing them runs before any step that reuses
         # them), before anyone is preempted for want of blocks.
         for request in self.running:
-            if self._may_finish_on_pending(request):
+            # A guided request's token may yet be deferred (its grammar's mask late): it keeps its
+            # blocks, and computes its position again if so.
+            if self._may_finish_on_pending(request) and request.sampling_params.guided is None:
                 self.block_manager.free(request)
         i = 0
         while i < len(self.running) and plan.budget > 0:
             request = self.running[i]
             i += 1
-            if self._may_finish_on_pending(request):
+            if (
+                self._may_finish_on_pending(request)
+                or self._held_for_deferred(request)
+                or request.request_id in hold
+            ):
                 continue
             num_new = min(
                 request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
@@ -213,6 +220,13 @@ class Scheduler:
             new_blocks, num_new = allocated
             plan.cached.append(CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens))
             plan.add(request, num_new)
+
+    @staticmethod
+    def _held_for_deferred(request: Request) -> bool:
+        """A step deferred its token: it waits until no step of its is in flight (`defer`)."""
+        if request.held_for_deferred and not request.num_output_placeholders:
+            request.held_for_deferred = False
+        return request.held_for_deferred
 
     def _may_finish_on_pending(self, request: Request) -> bool:
         """Its tokens in flight reach max_new_tokens or the length limit: another step would be waste."""
@@ -420,6 +434,7 @@ class Scheduler:
         scheduler_output: SchedulerOutput,
         sampled_token_ids: dict[str, int],
         finish_reasons: Mapping[str, FinishReason] | None = None,
+        deferred: Collection[str] = (),
     ) -> list[Request]:
         """Apply a step's sampled tokens: append them, apply stop rules, cache the blocks now full.
 
@@ -428,13 +443,17 @@ class Scheduler:
         for a reason only the runner sees (a grammar complete or failed); it goes before the stop
         rules, since it says more. Requests finished or aborted since the step was
         scheduled are skipped; one preempted since then still gets its token (it was sampled from
-        its whole context). Returns the requests that got a token (finished or not), in scheduling
-        order.
+        its whole context). deferred: requests the step gave no token although it reached their
+        last one (`defer`). Returns the requests that got a token (finished or not), in
+        scheduling order.
         """
         updated: list[Request] = []
         for request_id in scheduler_output.num_scheduled_tokens:
             request = self._requests.get(request_id)
             if request is None:
+                continue
+            if request_id in deferred:
+                self.defer(request)
                 continue
             token_id = sampled_token_ids.get(request_id)
             if token_id is None and request_id in scheduler_output.sampling_request_ids:
@@ -453,6 +472,17 @@ class Scheduler:
                 self._finish(request, reason)
             updated.append(request)
         return updated
+
+    @staticmethod
+    def defer(request: Request) -> None:
+        """A step computed the request's last token but sampled nothing from it (its grammar's mask
+        was not ready in time): that position is computed again by a later step. A step scheduled
+        after this one read the token that never came, so it is deferred too; until every such
+        step is back the request is held (`_held_for_deferred`), then it resumes from its last
+        known token."""
+        request.num_output_placeholders -= 1
+        request.num_computed_tokens = max(0, request.num_computed_tokens - 1)
+        request.held_for_deferred = request.num_output_placeholders > 0
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         if request.status == RequestStatus.RUNNING:

@@ -227,7 +227,8 @@ class LLMEngine:
         self._grow_host_tier()
         for request in self._grammars.release_ready(self.runner.guided):
             self.scheduler.add_request(request)
-        scheduler_output = self._with_grammars(self.scheduler.schedule())
+        held = self.runner.guided.waiting_for_masks()
+        scheduler_output = self._with_grammars(self.scheduler.schedule(hold=held), held)
         self.tp.broadcast_object(scheduler_output)  # to the other shards, if any
         launched = (scheduler_output, self.runner.launch(scheduler_output), started)
         if not self.async_scheduling:
@@ -236,11 +237,12 @@ class LLMEngine:
         self._in_flight = None if scheduler_output.is_empty else launched
         return self._apply(*previous) if previous is not None else []
 
-    def _with_grammars(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
+    def _with_grammars(self, scheduler_output: SchedulerOutput, held: set[str]) -> SchedulerOutput:
         """The step's output with the grammars that arrived for every runner to compile, and the
-        requests aborted while theirs compiled; an idle step pauses for a compile rather than spin."""
+        requests aborted while theirs compiled; an idle step pauses for a compile, or for the mask
+        of a request `held` out of it, rather than spin."""
         arrived, dropped = self._grammars.take_arrivals(), self._dropped_grammars
-        if scheduler_output.is_empty and len(self._grammars) and not arrived:
+        if scheduler_output.is_empty and (len(self._grammars) or held) and not arrived:
             self.runner.guided.wait_for_any(GRAMMAR_WAIT_S)
         if not arrived and not dropped:
             return scheduler_output
@@ -265,7 +267,10 @@ class LLMEngine:
             kind = step_kind(len(scheduler_output.scheduled_new_requests), tokens, seqs)
             self.step_clock.record(time.monotonic() - started, kind)
         updated = self.scheduler.update_from_output(
-            scheduler_output, runner_output.sampled_token_ids, runner_output.finish_reasons
+            scheduler_output,
+            runner_output.sampled_token_ids,
+            runner_output.finish_reasons,
+            runner_output.deferred,
         )
         self._collect_prompt_logprobs(runner_output)
         return [self._output(request, runner_output) for request in updated]

@@ -10,11 +10,17 @@ launched: a token still on its way sits in the request's list as a placeholder, 
 reads it from the device tensor it was sampled into, so the host never waits for the GPU in between.
 Requests whose next token depends on the last one's value (penalties, a grammar) are the exception:
 a step that samples them waits for the step before.
+
+A guided request whose mask is not ready soon after the step's logits (`guided.LATE_MASK_GRACE_S`)
+gets no token from that step: the step is deferred for it (`RunnerOutput.deferred`), and the
+scheduler computes that position again later. A step already launched after it read the token that
+never came: that row is computed and not sampled, deferred too (`StepInputs.unknown_inputs`).
 """
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,7 +37,7 @@ from tgserve.server.execution.step_rows import HostRows, span_slots
 from tgserve.server.kv_cache.host_pool import HostKVPool
 from tgserve.server.protocol.outputs import TokenLogprob
 from tgserve.server.protocol.params import SamplingParams
-from tgserve.server.sampling.guided import GuidedMatchers, token_mask
+from tgserve.server.sampling.guided import LATE_MASK_GRACE_S, GuidedMatchers, StepMasks, token_mask
 from tgserve.server.sampling.sampler import LogprobTensors, Sampler, SamplingRow, logprob_tensors
 
 # A sampled token whose value is still on the device.
@@ -57,6 +63,8 @@ class RunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
     # Requests that end on this step's token for a reason the scheduler cannot see (their grammar).
     finish_reasons: dict[str, FinishReason] = field(default_factory=dict)
+    # Requests the step reached the last token of but gave no token (their mask was late).
+    deferred: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -71,6 +79,7 @@ class LaunchedStep:
     logprobs: LogprobTensors | None = None
     prompt_rows: PromptLogprobRows = field(default_factory=PromptLogprobRows)
     prompt_logprobs: LogprobTensors | None = None
+    deferred: set[str] = field(default_factory=set)  # reached their last token, sampled nothing
     output: RunnerOutput | None = None  # once collected
 
     def row_of(self) -> dict[str, int]:
@@ -106,8 +115,12 @@ class ModelRunner:
         # know). Without one, every guided request finishes with "grammar_error".
         self.guided = GuidedMatchers(None, 0)
         self.requests: dict[str, RunnerRequestState] = {}
-        self._mask_worker: ThreadPoolExecutor | None = None  # guided masks beside the forward
         self._pending: LaunchedStep | None = None  # the last step launched and not yet collected
+        # How long sampling waits for guided masks past the logits, at least (None: for every one;
+        # `guided.mask_grace_s`). Ranks of a tensor-parallel group must agree on which rows
+        # sample, so they wait for all.
+        self.late_mask_grace_s: float | None = LATE_MASK_GRACE_S
+        self._launched_at = 0.0  # when the step being launched began (perf_counter)
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         """Run one step and wait for its tokens."""
@@ -116,6 +129,7 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
         """Queue one step on the device: inputs, forward, sampling, and the copies of its results."""
+        self._launched_at = time.perf_counter()
         for request_id, spec in scheduler_output.grammars_to_prepare:  # compiled beside the loop
             self.guided.prepare(request_id, spec)
         if scheduler_output.kv_transfers:  # before anything of this step writes the pool
@@ -136,6 +150,7 @@ class ModelRunner:
             masks = self._masks_beside_the_forward(inputs.sampled_request_ids)
         num_sampled = len(inputs.sampled_request_ids)
         step = self._sample(logits[:num_sampled], inputs.sampled_request_ids, masks)
+        step.deferred.update(inputs.unknown_inputs)
         step.prompt_rows = inputs.prompt_rows
         step.prompt_logprobs = self._score_prompt(logits[num_sampled:], inputs.prompt_rows)
         self.forward.backend.mark_step()
@@ -150,10 +165,12 @@ class ModelRunner:
         # The host copies in the order `launch` made them: token ids, logprobs, prompt logprobs.
         host = iter(step.copies.wait() if step.copies is not None else [])
         token_ids = next(host).tolist() if step.token_ids is not None else []
-        result = RunnerOutput()
+        result = RunnerOutput(deferred=step.deferred)
         for request_id, index, token_id in zip(
             step.sampled_request_ids, step.placeholder_index, token_ids, strict=True
         ):
+            if request_id in step.deferred:
+                continue
             state = self.requests.get(request_id)
             if state is not None and index < len(state.token_ids) and state.token_ids[index] == PLACEHOLDER:
                 state.token_ids[index] = token_id
@@ -164,7 +181,8 @@ class ModelRunner:
         if step.logprobs is not None:
             logprobs = step.logprobs.replace_tensors([next(host) for _ in step.logprobs.tensors()]).to_list()
             for row, logprob in zip(step.logprob_rows, logprobs, strict=True):
-                result.logprobs[step.sampled_request_ids[row]] = logprob
+                if step.sampled_request_ids[row] not in step.deferred:
+                    result.logprobs[step.sampled_request_ids[row]] = logprob
         if step.prompt_logprobs is not None:
             prompt = step.prompt_logprobs
             scored = prompt.replace_tensors([next(host) for _ in prompt.tensors()]).to_list()
@@ -219,12 +237,18 @@ class ModelRunner:
         prompt_rows, prompt_indices = PromptLogprobRows(), []
         block_rows = []
         in_flight: list[tuple[int, str]] = []  # (input row, request) for tokens still on the device
+        unknown_inputs: list[str] = []
         bs = self.block_size
         for request_id in self._scheduled_ids(out):
             state = self.requests[request_id]
             start, count = state.num_computed_tokens, out.num_scheduled_tokens[request_id]
             end = start + count
-            if count == 1:  # a decoding request: most rows of most steps
+            if count == 1 and start == len(state.token_ids):  # the step before deferred this token
+                unknown_inputs.append(request_id)
+                ids.append(0)  # any token: this row's key is computed again once the token is known
+                positions.append(start)
+                slots.append(state.block_ids[start // bs] * bs + start % bs)
+            elif count == 1:  # a decoding request: most rows of most steps
                 if state.token_ids[start] == PLACEHOLDER:
                     in_flight.append((len(ids), request_id))
                 ids.append(state.token_ids[start])
@@ -265,6 +289,7 @@ class ModelRunner:
             metadata=metadata,
             sampled_request_ids=sampled,
             prompt_rows=prompt_rows,
+            unknown_inputs=unknown_inputs,
         )
 
     def _fill_in_flight(self, input_ids: torch.Tensor, in_flight: list[tuple[int, str]]) -> torch.Tensor:
@@ -293,38 +318,40 @@ class ModelRunner:
             offset += count
         return result
 
-    def _masks_beside_the_forward(self, request_ids: list[str]) -> Future | None:
-        """The guided rows' token masks, computed on a worker thread while the forward runs (on the
+    def _masks_beside_the_forward(self, request_ids: list[str]) -> StepMasks | None:
+        """The guided rows' token masks, computed on worker threads while the forward runs (on the
         CPU the forward holds this thread; on CUDA it is queued and the GPU runs it). Their
         matchers have consumed every earlier token: the step before was collected first."""
-        if not self.guided.vocab_size or not any(request_id in self.guided for request_id in request_ids):
-            return None  # no guided row, or no vocabulary known before the logits (then masked in _sample)
-        if self._mask_worker is None:
-            self._mask_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="guided-masks")
-        return self._mask_worker.submit(self.guided.mask_bits, list(request_ids), self.guided.vocab_size)
+        if not self.guided.vocab_size:
+            return None  # no vocabulary known before the logits (then masked in _sample)
+        return self.guided.start_masks(request_ids, self.guided.vocab_size)
 
     def _sample(
-        self, logits: torch.Tensor, request_ids: list[str], masks: Future | None = None
+        self, logits: torch.Tensor, request_ids: list[str], masks: StepMasks | None = None
     ) -> LaunchedStep:
         """Sample on the device; each sampled request's list gets a placeholder until `collect`.
-        masks: the step's guided masks being computed (`_masks_beside_the_forward`).
+        masks: the step's guided masks being computed (`_masks_beside_the_forward`); requests
+        whose masks are late are sampled unmasked and their tokens dropped (`LaunchedStep.deferred`).
 
         num_computed_tokens is not advanced here: the next SchedulerOutput carries it.
         """
         if not request_ids:
             return LaunchedStep([])
         rows = [self._sampling_row(self.requests[r]) for r in request_ids]
+        late: set[str] = set()
         if masks is not None:
-            mask = token_mask(masks.result(), logits.device)
+            bits, late = masks.gather(_done_marker(logits), self.late_mask_grace_s, self._launched_at)
+            mask = token_mask(bits, logits.device)
         else:
             mask = self.guided.mask(request_ids, logits) if len(self.guided) else None
         sampled = self.sampler(logits, rows, mask)
-        step = LaunchedStep(request_ids, sampled.token_ids, logprob_rows=sampled.logprob_rows)
+        step = LaunchedStep(request_ids, sampled.token_ids, logprob_rows=sampled.logprob_rows, deferred=late)
         step.logprobs = sampled.logprob_tensors
         for request_id in request_ids:
             token_ids = self.requests[request_id].token_ids
             step.placeholder_index.append(len(token_ids))
-            token_ids.append(PLACEHOLDER)
+            if request_id not in late:
+                token_ids.append(PLACEHOLDER)
         return step
 
     @staticmethod
@@ -335,3 +362,12 @@ class ModelRunner:
         prompt = state.token_ids[: state.num_prompt_tokens]
         output = state.token_ids[state.num_prompt_tokens :]
         return SamplingRow(state.params, prompt, output, step)
+
+
+def _done_marker(logits: torch.Tensor) -> Callable[[], bool]:
+    """Whether the device has computed `logits` yet, asked without waiting (on the CPU it has)."""
+    if logits.device.type != "cuda":
+        return lambda: True
+    done = torch.cuda.Event()
+    done.record()
+    return done.query

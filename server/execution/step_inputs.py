@@ -31,6 +31,8 @@ class StepInputs:
     metadata: AttentionMetadata
     sampled_request_ids: list[str] = field(default_factory=list)
     prompt_rows: PromptLogprobRows = field(default_factory=PromptLogprobRows)
+    # Decode rows whose input token a deferred step never sampled: computed, not sampled, deferred too.
+    unknown_inputs: list[str] = field(default_factory=list)
 
 
 def padded_block_table(rows: list[list[int]]) -> torch.Tensor:

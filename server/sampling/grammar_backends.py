@@ -19,6 +19,7 @@ finish reason "grammar_error".
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -70,6 +71,7 @@ class XGrammarBackend:
         self.vocab_size = info.vocab_size
         self._compiler = xgrammar.GrammarCompiler(info)
         self._batch = xgrammar.BatchGrammarMatcher()
+        self._batch_lock = threading.Lock()  # masks are filled on several threads (guided.MASK_WORKERS)
 
     def matcher(self, spec: GuidedDecoding) -> XGrammarMatcher:
         import xgrammar
@@ -84,9 +86,14 @@ class XGrammarBackend:
     def fill(self, pairs: list[tuple[XGrammarMatcher, int]], bits: np.ndarray) -> None:
         import torch
 
-        matchers = [matcher.inner for matcher, _ in pairs]
         # xgrammar takes a torch int32 bitmask; this one shares the array's memory.
-        self._batch.batch_fill_next_token_bitmask(matchers, torch.from_numpy(bits), [k for _, k in pairs])
+        if len(pairs) == 1:  # a request filled alone (its masks were late once): its own matcher
+            matcher, k = pairs[0]
+            matcher.inner.fill_next_token_bitmask(torch.from_numpy(bits), k)
+            return
+        with self._batch_lock:
+            matchers = [matcher.inner for matcher, _ in pairs]
+            self._batch.batch_fill_next_token_bitmask(matchers, torch.from_numpy(bits), [k for _, k in pairs])
 
     @staticmethod
     def consume(pairs: list[tuple[XGrammarMatcher, int]]) -> list[bool]:

@@ -10,10 +10,17 @@ and a request whose grammar is complete finishes ("eos_token"), as does one whos
 error: its grammar failed to compile, or it allows no token ("grammar_error"; such a row's mask
 lets only the end-of-sequence tokens through, so its last token is one of those).
 
-The runner computes a step's masks on a worker thread while the forward runs (`mask_bits`, one
-call a step; the library's own threads fill the rows), and hands them to the sampler after it
-(`token_mask`). That hides llguidance's share of the mask stage (1.2 of 8.2 ms a step for 64 rows
-of SmolLM2 on two CPU cores); unpacking the bits and masking the logits stay in the sampler. With
+The runner starts a step's masks on worker threads while the forward runs (`start_masks`: one job
+for the step's rows, the library's own threads filling them; a new request, or one whose masks were
+late or slow, in a job of its own until a mask of its comes in time and quick), and hands them to
+the sampler after it (`StepMasks.gather`, `token_mask`). A mask not ready `LATE_MASK_GRACE_S` after the logits is late:
+the step samples without it, and its request gets no token from that step (the runner defers it;
+the scheduler computes that position again later), so a slow mask delays its own request, not the
+batch. The late job goes on, and its mask serves the request's next try (its grammar has not moved).
+
+Computing masks beside the forward hides llguidance's share of the mask stage (1.2 of 8.2 ms a step
+for 64 rows of SmolLM2 on two CPU cores); unpacking the bits and masking the logits stay in the
+sampler. With
 async scheduling, a step whose guided requests have a token still in flight queues its forward
 first (the token reaches it on the device), then reads that token on the host, lets the matchers
 consume it and computes the masks while the device runs the forward; only the sampling waits for
@@ -35,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -52,6 +60,25 @@ logger = logging.getLogger(__name__)
 
 # Returns the HF tokenizer and the model's end-of-sequence ids; called once, for the first guided request.
 TokenizerLoader = Callable[[], tuple[Any, Iterable[int]]]
+
+# How long the sampler waits for guided masks once the step's logits are ready: a mask later than
+# that is late, and its request gets no token this step (`StepMasks.gather`). Masks take tens of
+# microseconds a row; this leaves room for a loaded host without letting one grammar hold the batch.
+LATE_MASK_GRACE_S = 0.005
+# Threads computing masks: a late job keeps its thread until it ends, and the next steps' jobs run
+# beside it on the others.
+MASK_WORKERS = 4
+# Where a step is long, masks are waited for past the logits this share of the step so far (from
+# its launch to its logits), at most MAX_MASK_GRACE_S: deferring a request costs it a step or more,
+# which on a slow device is worth far more than a few milliseconds of waiting.
+MASK_GRACE_STEP_FRACTION = 0.5
+MAX_MASK_GRACE_S = 1.0
+# How often the sampler looks whether the device has finished the forward while masks are missing.
+_POLL_S = 0.0005
+# A request filled alone joins the step's shared job once a mask of its own came in time and took
+# less than this to fill: a grammar whose masks are slow stays alone and holds back only itself,
+# while requests split off by a passing stall of the host (a garbage collection) share again next step.
+QUICK_MASK_S = 0.001
 
 
 @dataclass
@@ -132,6 +159,101 @@ class PinnedMaskRows:
         return bits
 
 
+def mask_grace_s(grace_s: float, step_started: float | None) -> float:
+    """How long masks are waited for once the logits are ready: `grace_s`, or where the step so far
+    (since `step_started`, a perf_counter time) is longer, MASK_GRACE_STEP_FRACTION of it, at most
+    MAX_MASK_GRACE_S."""
+    if step_started is None:
+        return grace_s
+    so_far = time.perf_counter() - step_started
+    return max(grace_s, min(MASK_GRACE_STEP_FRACTION * so_far, MAX_MASK_GRACE_S))
+
+
+@dataclass
+class _MaskJob:
+    """Masks being filled on a worker thread: `future` gives (int32 [len(request_ids), words], the
+    seconds the fill took), row k for request_ids[k] as its matcher stood after `consumed[k]` tokens."""
+
+    future: Future
+    request_ids: list[str]
+    consumed: list[int]
+    was_late: bool = False  # a step found it unfinished
+
+    def bits(self) -> np.ndarray:
+        return self.future.result()[0]  # raises what the job raised
+
+    def quick_alone(self) -> bool:
+        """A one-request job, never late, filled in under QUICK_MASK_S."""
+        return len(self.request_ids) == 1 and not self.was_late and self.future.result()[1] < QUICK_MASK_S
+
+
+class StepMasks:
+    """The masks of a step's guided rows (`rows` of the step's sampled rows), from the jobs filling
+    them: the step's own, or a job of an earlier step that was late for a request still waiting
+    at the same point of its grammar."""
+
+    def __init__(
+        self,
+        owner: GuidedMatchers,
+        rows: list[int],
+        placed: list[tuple[_MaskJob, int]],
+        width: int,
+        one_job_in_order: bool = False,
+    ):
+        """placed: each row's job and its row there; one_job_in_order: all rows are one job's, in its order."""
+        self._owner, self.rows, self._placed, self._width = owner, rows, placed, width
+        self._one_job_in_order = one_job_in_order
+
+    def gather(
+        self, logits_ready: Callable[[], bool], grace_s: float | None, step_started: float | None = None
+    ) -> tuple[tuple[list[int], np.ndarray] | None, set[str]]:
+        """((rows, bits) of the masks ready in time, or None), and the requests whose masks were late.
+
+        Waits while the device computes the logits (`logits_ready` false: nobody waits for the
+        masks yet), then at most `mask_grace_s(grace_s, step_started)` more; grace_s None waits
+        for every mask. Which were in time goes to the owner (`note_timing`): it decides which
+        requests share jobs."""
+        jobs = {id(job): job for job, _ in self._placed}  # usually one, for every row
+        pending = {job.future for job in jobs.values() if not job.future.done()}
+        if pending and grace_s is None:
+            wait(pending)
+        elif pending:
+            while not logits_ready() and wait(pending, timeout=_POLL_S).not_done:
+                pass
+            wait(pending, timeout=mask_grace_s(grace_s, step_started))
+        done = {key: job.future.done() for key, job in jobs.items()}  # one look a job: it may end meanwhile
+        for key, job in jobs.items():
+            job.was_late |= not done[key]
+        if self._one_job_in_order and all(done.values()):
+            return self._one_job()
+        rows, late, by_job = [], set(), {}
+        for row, (job, k) in zip(self.rows, self._placed, strict=True):
+            if not done[id(job)]:
+                late.add(job.request_ids[k])
+                continue
+            _, into, taken = by_job.setdefault(id(job), (job, [], []))
+            into.append(len(rows))
+            taken.append(k)
+            rows.append(row)
+        quick = [job.request_ids[0] for job, _, _ in by_job.values() if job.quick_alone()]
+        self._owner.note_timing(quick, late)
+        if not rows:
+            return None, late
+        bits = self._owner.mask_array(len(rows), self._width)
+        for job, into, taken in by_job.values():  # one copy a job (usually one job, all rows)
+            bits[into] = job.bits()[taken]
+        return (rows, bits), late
+
+    def _one_job(self) -> tuple[tuple[list[int], np.ndarray], set[str]]:
+        """Every row from one job, ready, in its order (the usual step): one copy."""
+        job = self._placed[0][0]
+        if job.quick_alone():
+            self._owner.note_timing(job.request_ids, ())
+        bits = self._owner.mask_array(len(self.rows), self._width)
+        bits[:] = job.bits()
+        return (self.rows, bits), set()
+
+
 class GuidedMatchers:
     """The guided requests of one runner: their matchers, each step's masks, the tokens they consume.
 
@@ -158,6 +280,9 @@ class GuidedMatchers:
         self._prepared: dict[str, Future] = {}  # matchers being built beside the loop (`prepare`)
         self._compiler: ThreadPoolExecutor | None = None
         self._backend_lock = threading.Lock()  # the backend is built once, by whichever thread first
+        self._mask_pool: ThreadPoolExecutor | None = None  # `start_masks`' jobs
+        self._mask_jobs: dict[str, tuple[_MaskJob, int]] = {}  # request -> its latest job, its row there
+        self._sharing: set[str] = set()  # requests whose masks share the step's job (`note_timing`)
 
     @property
     def vocab_size(self) -> int:
@@ -184,8 +309,12 @@ class GuidedMatchers:
         return future is not None and future.done()
 
     def wait_for_any(self, timeout_s: float) -> None:
-        """Until one of the matchers being built is done, or `timeout_s` (an idle loop's pause)."""
+        """Until one of the matchers being built, or of the masks deferred requests wait for, is
+        done, or `timeout_s` (an idle loop's pause)."""
         pending = [future for future in self._prepared.values() if not future.done()]
+        pending += [
+            job.future for job, _ in self._mask_jobs.values() if job.was_late and not job.future.done()
+        ]
         if pending:
             wait(pending, timeout=timeout_s, return_when=FIRST_COMPLETED)
 
@@ -198,6 +327,7 @@ class GuidedMatchers:
             self._prepared.pop(request_id, None)
             return
         prepared = self._prepared.pop(request_id, None)
+        self._mask_jobs.pop(request_id, None)  # filled from the matcher replaced here
         try:
             matcher = prepared.result() if prepared is not None else self._grammar_backend().matcher(spec)
         except Exception as exc:  # ImportError, a tokenizer the library cannot read, a bad grammar
@@ -211,6 +341,8 @@ class GuidedMatchers:
     def remove(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
         self._prepared.pop(request_id, None)  # a matcher still being built is dropped when done
+        self._mask_jobs.pop(request_id, None)  # a job still running ends unread
+        self._sharing.discard(request_id)
 
     def _grammar_backend(self) -> Any:
         with self._backend_lock:
@@ -236,23 +368,93 @@ class GuidedMatchers:
         of `logits`), or None when there are none."""
         return token_mask(self.mask_bits(request_ids, logits.shape[-1]), logits.device)
 
-    def mask_bits(self, request_ids: Sequence[str], vocab: int) -> tuple[list[int], np.ndarray] | None:
-        """Host work only, so a worker thread can do it while the forward runs: (the rows of the
-        guided requests among `request_ids`, their bitmasks int32 [rows, words]), or None when
-        there are none. `vocab`: the logits' width, used until the grammar library has a tokenizer."""
+    def start_masks(self, request_ids: Sequence[str], vocab: int) -> StepMasks | None:
+        """Start filling the masks of the guided requests among a step's sampled rows
+        (`request_ids`) on worker threads, to be gathered after the forward; None when there are
+        none. Requests waiting at the point of their grammar an earlier step's job was late for
+        take that job's mask. Requests sharing (`note_timing`) share one job; the others, new ones
+        (a first mask builds the grammar library's states: the likeliest to be slow) and those whose
+        masks were late or slow, get a job each, so a slow mask holds back only its own request."""
+        if not self._requests:
+            return None
         rows = [i for i, request_id in enumerate(request_ids) if request_id in self._requests]
         if not rows:
             return None
+        width = self._width(vocab)
+        guided_ids = [request_ids[row] for row in rows]
+        if not self._mask_jobs.keys() & guided_ids and self._sharing.issuperset(guided_ids):
+            # the usual step: one job for every row
+            job = self._submit_masks(guided_ids, width)
+            return StepMasks(self, rows, [(job, k) for k in range(len(rows))], width, one_job_in_order=True)
+        shared = []
+        for row in rows:
+            request_id = request_ids[row]
+            kept = self._mask_jobs.get(request_id)
+            if kept is not None and kept[0].consumed[kept[1]] == self._requests[request_id].num_consumed:
+                continue  # the mask an earlier step was late for
+            if request_id in self._sharing:
+                shared.append(request_id)
+            else:
+                self._submit_masks([request_id], width)
+        if shared:
+            self._submit_masks(shared, width)
+        return StepMasks(self, rows, [self._mask_jobs[request_ids[row]] for row in rows], width)
+
+    def _submit_masks(self, request_ids: list[str], width: int) -> _MaskJob:
+        if self._mask_pool is None:
+            self._mask_pool = ThreadPoolExecutor(max_workers=MASK_WORKERS, thread_name_prefix="guided-masks")
+        guided = [self._requests[request_id] for request_id in request_ids]
+        future = self._mask_pool.submit(
+            self._timed_fill, guided, np.zeros((len(guided), width), dtype=np.int32)
+        )
+        job = _MaskJob(future, request_ids, [g.num_consumed for g in guided])
+        self._mask_jobs.update((request_id, (job, k)) for k, request_id in enumerate(request_ids))
+        return job
+
+    def waiting_for_masks(self) -> set[str]:
+        """Requests deferred for a mask still being computed: a step would only defer them again."""
+        return {
+            request_id
+            for request_id, (job, _) in self._mask_jobs.items()
+            if job.was_late and not job.future.done()
+        }
+
+    def note_timing(self, quick: Iterable[str], late: Iterable[str]) -> None:
+        """Requests whose masks, filled alone, came in time and quick: they share the step's job
+        from now on; requests whose masks were late: filled alone from now on."""
+        self._sharing.update(request_id for request_id in quick if request_id in self._requests)
+        self._sharing.difference_update(late)
+
+    def _timed_fill(self, requests: list[_Guided], bits: np.ndarray) -> tuple[np.ndarray, float]:
+        start = time.perf_counter()
+        return self._fill(requests, bits), time.perf_counter() - start
+
+    def mask_array(self, rows: int, width: int) -> np.ndarray:
+        """A zeroed int32 [rows, width] array for a step's masks (pinned where `pinned`)."""
+        if self._mask_rows is not None:
+            return self._mask_rows.take(rows, width)
+        return np.zeros((rows, width), dtype=np.int32)
+
+    def _width(self, vocab: int) -> int:
         # The library's width once it has a tokenizer (the larger of the model's and the tokenizer's).
         vocab = self._backend.vocab_size if self._backend is not None else vocab
-        width = (vocab + 31) // 32
-        if self._mask_rows is not None:
-            bits = self._mask_rows.take(len(rows), width)
-        else:
-            bits = np.zeros((len(rows), width), dtype=np.int32)
+        return (vocab + 31) // 32
+
+    def mask_bits(self, request_ids: Sequence[str], vocab: int) -> tuple[list[int], np.ndarray] | None:
+        """Host work only: (the rows of the guided requests among `request_ids`, their bitmasks
+        int32 [rows, words]), or None when there are none. `vocab`: the logits' width, used until
+        the grammar library has a tokenizer."""
+        rows = [i for i, request_id in enumerate(request_ids) if request_id in self._requests]
+        if not rows:
+            return None
+        bits = self.mask_array(len(rows), self._width(vocab))
+        return rows, self._fill([self._requests[request_ids[row]] for row in rows], bits)
+
+    def _fill(self, requests: list[_Guided], bits: np.ndarray) -> np.ndarray:
+        """Row k of `bits` gets the mask of requests[k]: what its grammar allows next, or only the
+        end-of-sequence tokens where its matcher failed or allows nothing."""
         working = []
-        for k, row in enumerate(rows):
-            guided = self._requests[request_ids[row]]
+        for k, guided in enumerate(requests):
             if guided.failed():
                 self._allow_only_eos(bits[k])
             else:
@@ -262,7 +464,7 @@ class GuidedMatchers:
             filled = [k for _, k in working]
             for k in np.asarray(filled)[~bits[filled].any(axis=1)]:
                 self._allow_only_eos(bits[k])  # nothing allowed: end the request on an end-of-sequence token
-        return rows, bits
+        return bits
 
     def _allow_only_eos(self, row: np.ndarray) -> None:
         if not self._eos_ids:  # no tokenizer, so no known end token: one free token, then the end
@@ -292,6 +494,7 @@ class GuidedMatchers:
                 reasons[request_id] = self._failed(request_id, guided)
                 continue
             guided.num_consumed += 1
+            self._mask_jobs.pop(request_id, None)  # its mask is used
             advancing.append((request_id, guided, token_id))
         if not advancing:
             return reasons

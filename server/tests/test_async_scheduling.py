@@ -123,3 +123,50 @@ def test_a_request_finishing_on_its_token_in_flight_is_never_a_preemption_victim
     assert a.output_token_ids == reference(a.prompt_token_ids, 8)
     assert b.output_token_ids == reference(b.prompt_token_ids, 2)
     assert sched.block_manager.num_free_blocks == 3
+
+
+def test_a_deferred_step_holds_its_request_until_the_step_after_it_is_back() -> None:
+    """Async: step N+1 was scheduled reading the token step N deferred, so it is deferred too; the
+    request is not scheduled while it is in flight, then resumes from its last known token."""
+    sched, _ = setup()
+    request = make("a", list(range(6)), max_new_tokens=3)
+    other = make("b", list(range(10, 13)), max_new_tokens=6)
+    sched.add_request(request)
+    sched.add_request(other)
+    first = sched.schedule()
+    second = sched.schedule()  # both decode the tokens step 1 is still sampling
+    assert second.num_scheduled_tokens == {"a": 1, "b": 1}
+    sched.update_from_output(first, {"b": 7}, deferred={"a"})
+    third = sched.schedule()
+    assert third.num_scheduled_tokens == {"b": 1}  # "a" is held: step 2 read a token that never came
+    sched.update_from_output(second, {"b": 8}, deferred={"a"})
+    assert (request.num_computed_tokens, request.num_output_placeholders) == (5, 0)
+    fourth = sched.schedule()
+    assert fourth.num_scheduled_tokens == {"a": 1, "b": 1}
+    assert {c.request_id: c.num_computed_tokens for c in fourth.scheduled_cached_requests}["a"] == 5
+    sched.update_from_output(third, {"b": 9})
+    sched.update_from_output(fourth, {"a": 4, "b": 5})
+    assert request.output_token_ids == [4] and other.output_token_ids == [7, 8, 9, 5]
+
+
+def test_a_guided_request_keeps_its_blocks_while_its_last_token_may_be_deferred() -> None:
+    """Async: a request's token in flight would end it (max_new_tokens); an unguided one gives its
+    blocks back at once, a guided one keeps them, since its token may come back deferred."""
+    from tgserve.server.protocol.params import GuidedDecoding
+
+    sched, _ = setup()
+    guided = make("g", list(range(6)), max_new_tokens=1, guided=GuidedDecoding("regex", "[a-z]+"))
+    plain = make("p", list(range(10, 16)), max_new_tokens=1)
+    sched.add_request(guided)
+    sched.add_request(plain)
+    first = sched.schedule()
+    blocks = sched.block_manager.get_block_ids("g")
+    second = sched.schedule()  # both wait for their last token
+    assert second.num_scheduled_tokens == {}
+    assert sched.block_manager.get_block_ids("g") == blocks and sched.block_manager.get_block_ids("p") == []
+    sched.update_from_output(first, {"p": 3}, deferred={"g"})
+    third = sched.schedule()
+    assert third.num_scheduled_tokens == {"g": 1} and sched.block_manager.get_block_ids("g") == blocks
+    sched.update_from_output(second, {})
+    sched.update_from_output(third, {"g": 4})
+    assert guided.output_token_ids == [4] and guided.is_finished

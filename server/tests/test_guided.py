@@ -128,6 +128,82 @@ def test_masks_come_in_the_rows_of_the_guided_requests_only(matchers, tokenizer)
     assert matchers.mask(["plain", "other"], torch.zeros(2, VOCAB)) is None
 
 
+def test_a_late_mask_is_reported_then_used_once_ready(matchers, monkeypatch) -> None:
+    """`start_masks` / `gather`: a row whose job is not done within the grace after the logits is
+    late (its request named), the others come masked; the late job's mask serves the request's
+    next step unchanged (its grammar has not moved), and with no grace every mask is waited for."""
+    import threading
+
+    matchers.add("slow", GuidedDecoding("regex", r"[0-9]+"))
+    matchers.add("quick", GuidedDecoding("regex", r"[a-z]+"))
+    want = matchers.mask(["slow", "quick"], torch.zeros(2, VOCAB))
+    release = threading.Event()
+    fill = matchers._fill
+
+    def held(requests, bits):
+        if requests[0] is matchers._requests["slow"]:
+            release.wait(5)
+        return fill(requests, bits)
+
+    monkeypatch.setattr(matchers, "_fill", held)
+    step = matchers.start_masks(["plain", "slow", "quick"], VOCAB)
+    (rows, bits), late = step.gather(lambda: True, grace_s=0.05)
+    assert rows == [2] and late == {"slow"}
+    assert torch.equal(torch.from_numpy(bits[0]), want.bits[1])
+    release.set()
+    step = matchers.start_masks(["slow", "quick"], VOCAB)  # the same point of both grammars
+    (rows, bits), late = step.gather(lambda: True, grace_s=None)
+    assert rows == [0, 1] and late == set() and torch.equal(torch.from_numpy(bits), want.bits)
+
+
+def test_requests_share_a_job_once_a_mask_of_their_own_came_in_time(matchers, tokenizer, monkeypatch) -> None:
+    """New requests are filled alone (first masks are the likeliest to be slow: the grammar library
+    builds its states); one late is not left alone for good: once a mask of its own job comes in
+    time (and quick), it shares the step's job. Requests late while sharing are filled alone again
+    until then."""
+    import threading
+
+    from tgserve.server.sampling import guided
+
+    monkeypatch.setattr(guided, "QUICK_MASK_S", 5.0)  # the policy, not this host's speed
+    ids = ["a", "b", "c"]
+    for request_id in ids:
+        matchers.add(request_id, GuidedDecoding("regex", r"[0-9]+"))
+    one = tokenizer.encode("1")[0]
+    release, fill = threading.Event(), matchers._fill
+
+    def held(requests, bits):
+        release.wait(5)
+        return fill(requests, bits)
+
+    monkeypatch.setattr(matchers, "_fill", held)
+
+    def next_step(consume: bool = True):
+        if consume:
+            matchers.consume_step(dict.fromkeys(ids, one))
+        step = matchers.start_masks(ids, VOCAB)
+        return step, len({id(job) for job, _ in step._placed})
+
+    step, jobs = next_step(consume=False)
+    assert jobs == 3 and step.gather(lambda: True, grace_s=0.02) == (None, set(ids))
+    release.set()
+    step, jobs = next_step(consume=False)  # the late jobs, reused: in time now, but they were late
+    assert jobs == 3 and step.gather(lambda: True, grace_s=None)[1] == set()
+    step, jobs = next_step()
+    assert jobs == 3  # none in time yet: each alone
+    step.gather(lambda: True, grace_s=None)
+    step, jobs = next_step()
+    assert jobs == 1  # in time: one job for all
+    release.clear()
+    assert step.gather(lambda: True, grace_s=0.02)[1] == set(ids)  # late while sharing
+    release.set()
+    step.gather(lambda: True, grace_s=None)
+    step, jobs = next_step()
+    assert jobs == 3  # alone again
+    step.gather(lambda: True, grace_s=None)
+    assert next_step()[1] == 1  # and sharing once in time
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_masks_filled_into_pinned_rows_are_those_of_plain_arrays(tokenizer) -> None:

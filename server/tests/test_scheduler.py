@@ -667,3 +667,26 @@ def test_a_lone_context_whose_chunks_outgrow_the_pool_takes_shorter_ones() -> No
     assert chunks[0] == 24 and sum(chunks[:-3]) == 50 and max(chunks) < 40
     assert long.output_token_ids == reference(list(range(50)), 4) and sched.stats().num_preemptions == 0
     assert sched.block_manager.num_free_blocks == 6 and sched.block_manager.host_tier.num_held_blocks == 0
+
+
+def test_a_deferred_step_computes_its_position_again() -> None:
+    """A step that gave a request no token (its grammar's mask was late): the request keeps its
+    tokens, and the next step computes the same position again and samples from it."""
+    sched, _ = setup()
+    request = make("a", list(range(6)), max_new_tokens=3)
+    other = make("b", list(range(10, 13)), max_new_tokens=3)
+    sched.add_request(request)
+    sched.add_request(other)
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"a": 6, "b": 3}
+    sched.update_from_output(out, {"b": 7}, deferred={"a"})
+    assert (request.num_computed_tokens, request.num_output_placeholders, request.output_token_ids) == (
+        5,
+        0,
+        [],
+    )
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"a": 1, "b": 1}
+    assert {c.request_id: c.num_computed_tokens for c in out.scheduled_cached_requests}["a"] == 5
+    sched.update_from_output(out, {"a": 4, "b": 8})
+    assert request.output_token_ids == [4] and other.output_token_ids == [7, 8]
