@@ -13,10 +13,12 @@ lets only the end-of-sequence tokens through, so its last token is one of those)
 The runner starts a step's masks on worker threads while the forward runs (`start_masks`: one job
 for the step's rows, the library's own threads filling them; a new request, or one whose masks were
 late or slow, in a job of its own until a mask of its comes in time and quick), and hands them to
-the sampler after it (`StepMasks.gather`, `token_mask`). A mask not ready `LATE_MASK_GRACE_S` after the logits is late:
-the step samples without it, and its request gets no token from that step (the runner defers it;
-the scheduler computes that position again later), so a slow mask delays its own request, not the
-batch. The late job goes on, and its mask serves the request's next try (its grammar has not moved).
+the sampler after it (`StepMasks.gather`, `token_mask`). A mask not ready `LATE_MASK_GRACE_S` after
+the logits (or half the step so far, where steps are long) is late: the step samples without it,
+and its request gets no token from that step (the runner defers it; the scheduler computes that
+position again later), so a slow mask delays its own request, not the batch. The late job goes on,
+and its mask serves the request's next try (its grammar has not moved); until then the engine
+holds the request out of steps (`waiting_for_masks`).
 
 Computing masks beside the forward hides llguidance's share of the mask stage (1.2 of 8.2 ms a step
 for 64 rows of SmolLM2 on two CPU cores); unpacking the bits and masking the logits stay in the
