@@ -30,6 +30,7 @@ EXPECTED = {
     "tgserve_inter_token_latency_seconds",
     "tgserve_kv_cache_usage_ratio",
     "tgserve_preemptions",
+    "tgserve_guided_deferred_steps",
     "tgserve_prefix_cache_hit_rate",
     "tgserve_prefix_cache_hits",
 }

@@ -90,6 +90,11 @@ class EngineStatsCollector(Collector):
             "tgserve_preemptions", "Requests preempted for lack of KV blocks", stats.num_preemptions
         )
         yield _counter(
+            "tgserve_guided_deferred_steps",
+            "Steps that gave a guided request no token: its grammar's mask was late",
+            stats.num_deferred_steps,
+        )
+        yield _counter(
             "tgserve_prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache",
             stats.prefix_cache_queries,

@@ -35,6 +35,7 @@ OWN_NAMES = {
     "tgserve_kv_cache_free_blocks",
     "tgserve_kv_cache_total_blocks",
     "tgserve_preemptions",
+    "tgserve_guided_deferred_steps",
     "tgserve_prefix_cache_hits",
     "tgserve_prefix_cache_queries",
     "tgserve_prefix_cache_hit_rate",

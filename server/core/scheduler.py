@@ -72,6 +72,7 @@ class Scheduler:
         self._requests: dict[str, Request] = {}
         self._finished_ids: set[str] = set()  # to report in the next SchedulerOutput
         self._num_preemptions = 0
+        self._num_deferred_steps = 0
         self._last_step_tokens = 0
         self._last_step_seqs = 0
         # A request can never hold more tokens than the pool, whatever max_model_len says; stopping
@@ -140,9 +141,10 @@ class Scheduler:
             self.block_manager.host_tier.grow(ready_blocks)
 
     def reset_counters(self) -> None:
-        """Zero the counters since start (preemptions, prefix cache lookups): after the engine's own
+        """Zero the counters since start (preemptions, deferred steps, prefix cache lookups): after the engine's own
         warm-up requests, so that metrics count only what clients asked."""
         self._num_preemptions = 0
+        self._num_deferred_steps = 0
         self.block_manager.reset_counters()
 
     def stats(self) -> EngineStats:
@@ -157,6 +159,7 @@ class Scheduler:
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,
             **_host_tier_stats(bm),
+            num_deferred_steps=self._num_deferred_steps,
             step_num_tokens=self._last_step_tokens,
             step_num_seqs=self._last_step_seqs,
         )
@@ -473,8 +476,7 @@ class Scheduler:
             updated.append(request)
         return updated
 
-    @staticmethod
-    def defer(request: Request) -> None:
+    def defer(self, request: Request) -> None:
         """A step computed the request's last token but sampled nothing from it (its grammar's mask
         was not ready in time): that position is computed again by a later step. A step scheduled
         after this one read the token that never came, so it is deferred too; until every such
@@ -483,6 +485,7 @@ class Scheduler:
         request.num_output_placeholders -= 1
         request.num_computed_tokens = max(0, request.num_computed_tokens - 1)
         request.held_for_deferred = request.num_output_placeholders > 0
+        self._num_deferred_steps += 1
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         if request.status == RequestStatus.RUNNING:

@@ -82,6 +82,8 @@ class EngineStats:
     host_swapped_out_requests: int = 0  # preemptions that swapped the KV out instead of dropping it
     host_spilled_blocks: int = 0  # running requests' cold blocks moved to host (the long-context tier)
     host_block_bytes: int = 0
+    # Steps that gave a request no token because its guided mask was late (or the token before was).
+    num_deferred_steps: int = 0
     step_num_tokens: int = 0  # tokens computed in the last step
     step_num_seqs: int = 0  # requests in the last step
     step_durations: list[StepDurations] = field(default_factory=list)  # by kind (step_timing.StepClock)

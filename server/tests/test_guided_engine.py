@@ -307,6 +307,7 @@ def test_a_late_mask_delays_its_own_request_not_the_batch(monkeypatch, async_sch
     monkeypatch.setattr(StepMasks, "gather", timed_gather)
     seen, finished_at, engine = run()
     assert slow_matchers, "the slow grammar was not used"
+    assert engine.scheduler.stats().num_deferred_steps > 0  # what /metrics shows
     for request_id in params:
         assert (seen[request_id].tokens, seen[request_id].finish_reason) == (
             quick_seen[request_id].tokens,

@@ -690,3 +690,4 @@ def test_a_deferred_step_computes_its_position_again() -> None:
     assert {c.request_id: c.num_computed_tokens for c in out.scheduled_cached_requests}["a"] == 5
     sched.update_from_output(out, {"a": 4, "b": 8})
     assert request.output_token_ids == [4] and other.output_token_ids == [7, 8]
+    assert sched.stats().num_deferred_steps == 1  # tgserve_guided_deferred_steps
