@@ -16,6 +16,8 @@ one over many programs instead of leaving it to a few. Given the step's keys and
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -473,7 +475,12 @@ FP8_FEW_PROGRAMS_TILE = (GPU_FP8_BLOCK_N, 4)
 
 
 def _sm_count() -> int:
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return _sm_count_of(torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count_of(device_index: int) -> int:  # read once: choose_splits and fp8_tile ask every launch
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def fp8_tile(num_seqs: int, num_kv_heads: int) -> tuple[int, int]:

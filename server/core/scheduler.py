@@ -141,8 +141,8 @@ class Scheduler:
             self.block_manager.host_tier.grow(ready_blocks)
 
     def reset_counters(self) -> None:
-        """Zero the counters since start (preemptions, deferred steps, prefix cache lookups): after the engine's own
-        warm-up requests, so that metrics count only what clients asked."""
+        """Zero the counters since start (preemptions, deferred steps, prefix cache lookups): after
+        the engine's own warm-up requests, so that metrics count only what clients asked."""
         self._num_preemptions = 0
         self._num_deferred_steps = 0
         self.block_manager.reset_counters()

@@ -293,9 +293,8 @@ class ModelShard:
         if self.static_executor is not None and self.buckets.warmup:
             self.static_executor.warm_up(self.args.block_size, self.device)
         self.runner = ModelRunner(self.forward, executor, self.args.block_size, self.device, self.host_pool)
-        if (
-            self.args.tensor_parallel_size > 1
-        ):  # every rank samples the same rows: none defers by its own clock
+        if self.args.tensor_parallel_size > 1:
+            # Every rank samples the same rows: none defers a late mask by its own clock.
             self.runner.late_mask_grace_s = None
 
     def _check_host_tier(self, device: torch.device) -> None:

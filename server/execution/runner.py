@@ -243,15 +243,14 @@ class ModelRunner:
             state = self.requests[request_id]
             start, count = state.num_computed_tokens, out.num_scheduled_tokens[request_id]
             end = start + count
-            if count == 1 and start == len(state.token_ids):  # the step before deferred this token
-                unknown_inputs.append(request_id)
-                ids.append(0)  # any token: this row's key is computed again once the token is known
-                positions.append(start)
-                slots.append(state.block_ids[start // bs] * bs + start % bs)
-            elif count == 1:  # a decoding request: most rows of most steps
-                if state.token_ids[start] == PLACEHOLDER:
-                    in_flight.append((len(ids), request_id))
-                ids.append(state.token_ids[start])
+            if count == 1:  # a decoding request: most rows of most steps
+                if start == len(state.token_ids):  # the step before deferred this token
+                    unknown_inputs.append(request_id)
+                    ids.append(0)  # any token: this row's key is computed again once the token is known
+                else:
+                    if state.token_ids[start] == PLACEHOLDER:
+                        in_flight.append((len(ids), request_id))
+                    ids.append(state.token_ids[start])
                 positions.append(start)
                 slots.append(state.block_ids[start // bs] * bs + start % bs)
             else:

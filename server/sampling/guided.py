@@ -314,9 +314,7 @@ class GuidedMatchers:
         """Until one of the matchers being built, or of the masks deferred requests wait for, is
         done, or `timeout_s` (an idle loop's pause)."""
         pending = [future for future in self._prepared.values() if not future.done()]
-        pending += [
-            job.future for job, _ in self._mask_jobs.values() if job.was_late and not job.future.done()
-        ]
+        pending += self._awaited_masks().values()
         if pending:
             wait(pending, timeout=timeout_s, return_when=FIRST_COMPLETED)
 
@@ -415,8 +413,12 @@ class GuidedMatchers:
 
     def waiting_for_masks(self) -> set[str]:
         """Requests deferred for a mask still being computed: a step would only defer them again."""
+        return set(self._awaited_masks())
+
+    def _awaited_masks(self) -> dict[str, Future]:
+        """The unfinished late jobs, by request: what deferred requests wait for."""
         return {
-            request_id
+            request_id: job.future
             for request_id, (job, _) in self._mask_jobs.items()
             if job.was_late and not job.future.done()
         }
