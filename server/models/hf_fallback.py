@@ -12,6 +12,7 @@ cache at all are run over each whole sequence every step, as transformers genera
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -134,21 +135,31 @@ def load_fallback_model(
     device: torch.device,
     gguf_file: str | None,
     trust_remote_code: bool,
+    fill_weights: Callable[[nn.Module], None] | None = None,
 ) -> TransformersFallbackModel | RecomputingFallbackModel:
-    """Load the HF model with tgserve's attention, or as is for models that bypass the interface."""
+    """Load the HF model with tgserve's attention, or as is for models that bypass the interface.
+
+    With `fill_weights` (load_format "dummy") no checkpoint is read: the model is built from its
+    config on the device and the function fills its weights, so any architecture can be benchmarked
+    at its real shapes without writing weights first."""
     from transformers import AutoModelForCausalLM
 
     register_attention()
-    hf_model = AutoModelForCausalLM.from_pretrained(
-        path,
-        config=config,
-        gguf_file=gguf_file,
-        trust_remote_code=trust_remote_code,
-        attn_implementation=ATTENTION_NAME
-        if _class_supports_interface(config, trust_remote_code)
-        else "eager",
-        **dtype_kwargs(dtype),
-    )
+    attention = ATTENTION_NAME if _class_supports_interface(config, trust_remote_code) else "eager"
+    if fill_weights is None:
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            path, config=config, gguf_file=gguf_file, trust_remote_code=trust_remote_code,
+            attn_implementation=attention, **dtype_kwargs(dtype),
+        )  # fmt: skip
+    else:
+        with torch.device(device):
+            hf_model = AutoModelForCausalLM.from_config(
+                config,
+                trust_remote_code=trust_remote_code,
+                attn_implementation=attention,
+                **dtype_kwargs(dtype),
+            )
+        fill_weights(hf_model)
     refuse_unsupported_attention(hf_model)
     hf_model = hf_model.to(device).eval()
     if not supports_attention_interface(type(hf_model)) and is_recomputed(type(hf_model), config.model_type):

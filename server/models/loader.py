@@ -61,18 +61,18 @@ def load_model(
             f"{architecture} cannot be split across --num-shard {shards} devices: tensor parallelism "
             "covers the llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3) and Gemma 2 / 3; serve it with --num-shard 1"
         )
-    if native is None and load_format == "dummy":
-        raise ModelLoadError(f"load_format 'dummy' needs a native architecture; {architecture} is not one")
     if native is None:
         from tgserve.server.models.hf_fallback import load_fallback_model
 
-        if source.gguf_file is None:
+        dummy = load_format == "dummy"
+        if source.gguf_file is None and not dummy:
             # Refuse pickle-only checkpoints and name corrupt files before transformers sees them.
             verify_safetensors(safetensors_files(source, allow_pickle))
         try:
             return load_fallback_model(
-                str(source.directory), config, dtype, device, source.gguf_file, trust_remote_code
-            )
+                str(source.directory), config, dtype, device, source.gguf_file, trust_remote_code,
+                fill_weights=_fill_dummy_weights if dummy else None,
+            )  # fmt: skip
         except UnsupportedModelError:
             raise  # refused by name: it says why already
         except (OSError, ValueError, RuntimeError) as exc:

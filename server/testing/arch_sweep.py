@@ -37,7 +37,7 @@ SIZES: dict[str, Any] = {
     "decoder_ffn_dim": 128, "moe_intermediate_size": 64, "num_experts": 4, "num_local_experts": 4,
     "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "shared_expert_intermediate_size": 64,
     "first_k_dense_replace": 1, "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8,
-    "qk_nope_head_dim": 8, "v_head_dim": 16, "sliding_window": 16,
+    "qk_nope_head_dim": 8, "v_head_dim": 16, "sliding_window": 16, "n_group": 1, "topk_group": 1,
 }  # fmt: skip
 MULTIMODAL_PARTS = ("vision_config", "audio_config", "text_config", "speech_config", "encoder_config")
 
@@ -72,6 +72,7 @@ def tiny_config(model_type: str, ids: Any) -> Any:
         raise Refused("multimodal (sub-configs)")
     settable = [name for name in SIZES if not isinstance(getattr(type(default), name, None), property)]
     sizes = {name: SIZES[name] for name in settable if hasattr(default, name)}
+    sizes |= consistent_sizes(default, sizes)
     # BERT-style configs default to the encoder (bidirectional attention over the prompt); as a causal
     # LM such a model is a decoder, as checkpoints trained for generation say.
     decoder = {"is_decoder": True} if hasattr(default, "is_decoder") else {}
@@ -103,6 +104,43 @@ def saved_tiny_model(model_type: str, architecture: str, directory: Path, **over
     return model
 
 
+def consistent_sizes(default: Any, sizes: dict[str, Any]) -> dict[str, Any]:
+    """Sizes that depend on others, which the common names alone would leave inconsistent."""
+    derived: dict[str, Any] = {}
+    if "qk_rope_head_dim" in sizes and "head_dim" in sizes:
+        # Latent-attention configs (DeepSeek-V3 and its kin) rotate `head_dim` channels: the rotary part.
+        derived["head_dim"] = sizes["qk_rope_head_dim"]
+    if isinstance(getattr(default, "rotary_dim", None), int):
+        derived["rotary_dim"] = 8  # GPT-J / CodeGen: rotary channels of a 16-wide head
+    if "index_head_dim" in vars(default):  # DeepSeek sparse attention's indexer
+        derived |= {"index_head_dim": 16, "index_n_heads": 2}
+    if "attention_types" in vars(default):  # GPT-Neo: [[kinds, repeats]] spelling its layers out
+        derived["attention_types"] = [[["global", "local"], 1]]
+    if "num_hidden_layers" in sizes:
+        derived |= shrunk_layer_lists(default)
+    return derived
+
+
+def shrunk_layer_lists(default: Any) -> dict[str, Any]:
+    """Per-layer lists (`layer_types`, `mlp_layer_types`, ...) cut to the first layer of each kind
+    that occurs (at least two layers), so that a tiny model still has every kind of layer: two
+    layers of a five-to-one sliding/full pattern would test no full-attention layer at all."""
+    count = getattr(default, "num_hidden_layers", None)
+    lists = {
+        name: value
+        for name, value in vars(default).items()
+        if name.endswith("layer_types") and isinstance(value, list | tuple) and len(value) == count
+    }
+    if not lists:
+        return {}
+    rows = list(zip(*lists.values(), strict=True))
+    first = sorted({row: i for i, row in reversed(list(enumerate(rows)))}.values())
+    keep = sorted(set(first) | set(range(min(2, len(rows)))))
+    return {"num_hidden_layers": len(keep)} | {
+        name: [value[i] for i in keep] for name, value in lists.items()
+    }
+
+
 class Refused(Exception):
     """An architecture the engine does not serve, and why."""
 
@@ -123,7 +161,11 @@ def run_one(model_type: str, architecture: str, workdir: Path) -> Row:
     except Refused as why:
         return Row(model_type, architecture, "refused", str(why))
     except Exception as exc:  # the config class rejects the small sizes: the sweep's, not the engine's
+        if why := engine_refusal_of_default(model_type, architecture):
+            return Row(model_type, architecture, "refused", why)
         return Row(model_type, architecture, "untested", f"config: {type(exc).__name__}: {exc}"[:300])
+    if why := engine_refusal(config, architecture):  # before transformers: a hybrid that it cannot
+        return Row(model_type, architecture, "refused", why)  # run tiny is still refused by name
     model_class = getattr(transformers, architecture)
     directory = workdir / model_type
     prompts = [
@@ -176,6 +218,28 @@ def run_one(model_type: str, architecture: str, workdir: Path) -> Row:
         note = "transformers' cached `generate` differs from its own uncached forward; the engine equals the latter"
         return Row(model_type, architecture, "exact", f"{note}: generate gave {want}", seconds)
     return Row(model_type, architecture, "differs", f"engine {got} vs transformers {want}", seconds)
+
+
+def engine_refusal(config: Any, architecture: str) -> str | None:
+    """Why the engine refuses a model of this config by its layers, or None."""
+    from tgserve.server.models.registry import UnsupportedModelError, check_attention_layers
+
+    try:
+        check_attention_layers(config, architecture)
+    except UnsupportedModelError as why:
+        return str(why)[:300]
+    return None
+
+
+def engine_refusal_of_default(model_type: str, architecture: str) -> str | None:
+    """`engine_refusal` of the model type's default config (None where even that does not build)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.for_model(model_type)
+    except Exception:  # noqa: BLE001 - a config class that rejects its own defaults: nothing to judge
+        return None
+    return engine_refusal(config, architecture)
 
 
 def uncached_greedy(model: Any, prompt: list[int]) -> list[int]:

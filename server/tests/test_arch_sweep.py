@@ -19,6 +19,8 @@ SAMPLE = [
     ("mixtral", "MixtralForCausalLM"),
     ("opt", "OPTForCausalLM"),
     ("deepseek_v2", "DeepseekV2ForCausalLM"),  # latent attention: keys and values of two widths
+    ("deepseek_v3", "DeepseekV3ForCausalLM"),  # latent attention, its rotary width tied to head_dim
+    ("gptj", "GPTJForCausalLM"),  # rotary on part of each head (rotary_dim)
     ("bloom", "BloomForCausalLM"),  # ALiBi, through the path that bypasses the attention interface
     ("exaone", "LlamaForCausalLM"),  # native, from a checkpoint in EXAONE's own names (renamed on load)
     ("openai-gpt", "OpenAIGPTLMHeadModel"),  # no KV cache at all: whole sequences, recomputed
@@ -40,6 +42,19 @@ def test_an_encoder_decoder_is_refused_by_name():
 def test_sizes_are_set_only_where_the_config_takes_them():
     config = tiny_config("falcon", TokenIds(vocab_size=100, bos_token_id=0, eos_token_id=1, pad_token_id=2))
     assert config.hidden_size == 64 and config.num_hidden_layers == 2 and config.vocab_size == 100
+
+
+def test_a_tiny_model_keeps_one_layer_of_every_kind():
+    """Two layers of Gemma 3's five-sliding-one-full pattern would test no full-attention layer."""
+    ids = TokenIds(vocab_size=100, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    config = tiny_config("gemma3_text", ids)
+    assert set(config.layer_types) == {"sliding_attention", "full_attention"}
+    assert len(config.layer_types) == config.num_hidden_layers
+
+
+def test_a_hybrid_that_transformers_cannot_run_tiny_is_still_refused_by_name(tmp_path):
+    row = run_one("qwen3_next", "Qwen3NextForCausalLM", tmp_path)
+    assert row.status == "refused" and "linear_attention" in row.detail, row
 
 
 def test_attention_with_learned_sinks_is_refused_not_served_wrong(tmp_path):
@@ -121,3 +136,21 @@ def test_alibi_biases_each_sequence_from_its_own_positions(tmp_path):
     )
     params = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
     assert [out.token_ids for out in llm.generate(prompts, params)] == want
+
+
+@pytest.mark.parametrize("model_type", ["llama", "opt", "qwen3_moe"])
+def test_dummy_weights_serve_any_architecture_from_its_config_alone(tmp_path, model_type):
+    """load_format "dummy": no checkpoint in the directory, native or through transformers."""
+    import shutil
+
+    from tgserve import LLM, SamplingParams
+    from tgserve.server.testing.fixtures import _token_ids, _tokenizer_dir, default_cache_dir
+
+    tokenizer_dir = _tokenizer_dir(default_cache_dir())
+    tiny_config(model_type, _token_ids(tokenizer_dir)).save_pretrained(tmp_path)
+    for file in tokenizer_dir.iterdir():
+        shutil.copy(file, tmp_path / file.name)
+    assert not list(tmp_path.glob("*.safetensors"))
+    llm = LLM(str(tmp_path), load_format="dummy", dtype="float32", device="cpu", block_size=8, num_blocks=32)
+    params = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+    assert len(llm.generate([[5, 6, 7, 8]], params)[0].token_ids) == 4
