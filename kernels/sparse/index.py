@@ -43,8 +43,12 @@ class SparseIndex:
 
     def tiles(self) -> int:
         """block x block tiles the kernel computes (column chunks of `block` columns count whole)."""
+        return int(self.tiles_per_block().sum())
+
+    def tiles_per_block(self) -> torch.Tensor:
+        """int64 [H, Q]: the tiles of each query block (diagonal blocks, listed blocks, column chunks)."""
         chunks = (self.column_count.long() + self.block - 1) // self.block
-        return int(self._diagonal_blocks() + self.block_count.long().sum() + chunks.sum())
+        return self.diag_cover.long().cumsum(dim=1) + self.block_count.long() + chunks
 
     def _diagonal_blocks(self) -> torch.Tensor:
         """Blocks on the selected diagonals over all query blocks: query block i reaches the

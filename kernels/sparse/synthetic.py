@@ -210,3 +210,143 @@ def needle_run(
     index = estimate_index(prompt.query, prompt.key, prompt.scale, [pattern] * num_heads, block,
                            use_triton=use_triton)  # fmt: skip
     return needle_recall(prompt, index)
+
+
+# ---------------------------------------------------------------------------------------------
+# Structured prompts: real rotary frequencies, several needles of several reaches.
+
+
+@dataclass(frozen=True)
+class Structure:
+    """Planted structure of a structured prompt (levels are logits, the softmax scale folded in).
+
+    Unlike `Planted`, whose harmonics of one period give exactly periodic diagonals, the rotary
+    part here uses a model's geometric RoPE frequencies base^(-i / pairs): queries and keys share a
+    direction per KV head, so the logit depends on the offset p - t alone (every structure in it is
+    a diagonal), peaking at 0 and echoing at the offsets where the heavier pairs come back in phase.
+    `spread` is the log-std of the pair energies: large values put the energy on a few pairs, whose
+    echoes form strong diagonals far from the main one; small values give a smooth window.
+    """
+
+    rope_base: float = 500000.0
+    local: float = 10.0  # rotary logit at offset 0
+    spread: float = 2.0
+    sinks: int = 16
+    sink: float = 13.0
+    heavy_hitters: int = 64
+    heavy: float = 9.0
+    needle: float = 14.0
+    seekers: tuple[int, ...] = (16, 64, 512)  # queries that look for a needle, one needle per (depth, count)
+    depths: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)  # needle keys at these fractions of the prompt
+    noise: float = 0.5  # std of the logit from the noise coordinates
+    period: float = 0.0  # > 0: harmonics of one period (this fraction of n) instead of RoPE frequencies
+
+
+@dataclass(frozen=True)
+class Needle:
+    """One key that only `seekers` (a run of queries after it, none among the last 64) look for."""
+
+    key: int
+    seekers: range
+    depth: float
+
+
+@dataclass
+class StructuredPrompt:
+    query: torch.Tensor  # [n, H, d]
+    key: torch.Tensor  # [n, Hkv, d]
+    value: torch.Tensor  # [n, Hkv, d]
+    scale: float
+    needles: list[Needle]
+
+
+def _pair_weights(count: int, pairs: int, spread: float, gen: torch.Generator) -> torch.Tensor:
+    """[count, pairs] log-normal energies (log-std `spread`), each row normalised to sum 1."""
+    w = torch.exp(spread * torch.randn(count, pairs, generator=gen, dtype=torch.float64))
+    return w / w.sum(1, keepdim=True)
+
+
+def _place_needles(n: int, plant: Structure, gen: torch.Generator) -> list[Needle]:
+    needles = []
+    for depth in plant.depths:
+        for j, count in enumerate(plant.seekers):  # one key each, a little apart
+            key = min(n - 66, plant.sinks + int(depth * (n - plant.sinks)) + 97 * j)
+            last_start = max(key + 1, n - 64 - count)
+            start = int(torch.randint(key + 1, last_start + 1, (1,), generator=gen))
+            needles.append(Needle(key=key, seekers=range(start, min(start + count, n - 64)), depth=depth))
+    return needles
+
+
+def structured_prompt(
+    n: int, num_heads: int, num_kv_heads: int, head_dim: int, seed: int,
+    plant: Structure = Structure(), dtype: torch.dtype = torch.float32, device: str = "cpu",
+) -> StructuredPrompt:  # fmt: skip
+    """One structured prompt: rotary diagonals, sinks, heavy hitters and needles, built on `device`.
+
+    Coordinates: rotary pairs first, then one each for sinks, heavy hitters and every needle, then
+    noise. Query heads of a KV group weigh the shared rotary pairs, the sinks and the heavy hitters
+    differently (their own draws), as the heads of a real group do.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    noise_gen = torch.Generator(device=device).manual_seed(seed)
+    scale = head_dim**-0.5
+    needles = _place_needles(n, plant, gen)
+    extra = 2 + len(needles)
+    pairs = (head_dim - extra - 4) // 2
+    noise_dims = head_dim - 2 * pairs - extra
+    if pairs < 8:
+        raise ValueError(f"head_dim {head_dim} leaves {pairs} rotary pairs for {len(needles)} needles")
+    group = num_heads // num_kv_heads
+    if plant.period > 0:  # sharp diagonals at every multiple of the period, off the block grid
+        freqs = 2 * math.pi * torch.arange(1, pairs + 1, dtype=torch.float64) / (plant.period * n)
+    else:
+        freqs = plant.rope_base ** (-torch.arange(pairs, dtype=torch.float64) / pairs)
+    key_energy = _pair_weights(num_kv_heads, pairs, plant.spread, gen)  # [Hkv, P]
+    query_energy = _pair_weights(num_heads, pairs, plant.spread, gen)  # [H, P]
+    logit = key_energy.repeat_interleave(group, 0) * query_energy
+    logit = plant.local * logit / logit.sum(1, keepdim=True)  # [H, P]: pair i's logit at offset 0
+    phase = torch.rand(num_kv_heads, pairs, generator=gen, dtype=torch.float64) * 2 * math.pi
+    key_amp = torch.sqrt(key_energy / scale * plant.local)  # [Hkv, P]
+    query_amp = logit / (scale * key_amp.repeat_interleave(group, 0))  # [H, P]
+
+    def rotary(amp: torch.Tensor, heads_phase: torch.Tensor) -> torch.Tensor:
+        angle = torch.arange(n, dtype=torch.float64, device=device)[:, None, None] * freqs.to(device)
+        angle = angle + heads_phase.to(device)  # [n, heads, P]
+        amp = amp.to(device)
+        return torch.cat([torch.cos(angle) * amp, torch.sin(angle) * amp], dim=-1)
+
+    def direction(level: torch.Tensor | float) -> torch.Tensor | float:
+        return (level / scale) ** 0.5 if isinstance(level, float) else torch.sqrt(level / scale)
+
+    key = torch.zeros(n, num_kv_heads, head_dim, dtype=dtype, device=device)
+    query = torch.zeros(n, num_heads, head_dim, dtype=dtype, device=device)
+    key[..., : 2 * pairs] = rotary(key_amp, phase).to(dtype)
+    query[..., : 2 * pairs] = rotary(query_amp, phase.repeat_interleave(group, 0)).to(dtype)
+    sink_c, heavy_c, first_needle = 2 * pairs, 2 * pairs + 1, 2 * pairs + 2
+    key[: plant.sinks, :, sink_c] = direction(plant.sink)
+    query[..., sink_c] = direction(plant.sink * (0.7 + 0.3 * torch.rand(num_heads, generator=gen))).to(dtype)
+    heavy = torch.randperm(n - plant.sinks, generator=gen)[: plant.heavy_hitters] + plant.sinks
+    key[heavy.to(device), :, heavy_c] = direction(plant.heavy)
+    query[..., heavy_c] = direction(plant.heavy * (0.5 + 0.5 * torch.rand(num_heads, generator=gen))).to(
+        dtype
+    )
+    for i, needle in enumerate(needles):
+        key[needle.key, :, first_needle + i] = direction(plant.needle)
+        query[needle.seekers.start : needle.seekers.stop, :, first_needle + i] = direction(plant.needle)
+    noise_amp = math.sqrt(plant.noise / (scale * math.sqrt(noise_dims)))
+    for x in (key, query):
+        noise = torch.randn(*x.shape[:2], noise_dims, generator=noise_gen, device=device)
+        x[..., head_dim - noise_dims :] = (noise * noise_amp).to(dtype)
+    value = torch.randn(n, num_kv_heads, head_dim, generator=noise_gen, device=device).to(dtype)
+    return StructuredPrompt(query=query, key=key, value=value, scale=scale, needles=needles)
+
+
+# Families of structure, so that no estimate is judged on one input family.
+STRUCTURES = {
+    "rope": Structure(),
+    "rope-smooth": Structure(spread=0.5),  # energy over many pairs: a window, weaker far diagonals
+    "rope-10k": Structure(rope_base=10000.0),  # faster frequencies: echoes nearer the main diagonal
+    "diffuse": Structure(local=6.0, noise=1.5),  # weaker peaks, more mass over all keys
+    "sharp": Structure(local=14.0, sink=16.0, heavy=12.0, needle=17.0, noise=0.3),  # sparse at 128K too
+    "far-slashes": Structure(local=14.0, sink=16.0, heavy=12.0, needle=17.0, spread=0.5, period=0.0123),
+}
