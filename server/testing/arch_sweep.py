@@ -92,6 +92,8 @@ def saved_tiny_model(model_type: str, architecture: str, directory: Path, **over
     config = tiny_config(model_type, _token_ids(tokenizer_dir))
     for name, value in overrides.items():
         setattr(config, name, value)
+        if name.endswith("layer_types"):  # a per-layer list given whole says how many layers there are
+            config.num_hidden_layers = len(value)
     torch.manual_seed(0)
     model = getattr(transformers, architecture)(config).float().eval()
     with torch.no_grad():
@@ -134,8 +136,9 @@ def shrunk_layer_lists(default: Any) -> dict[str, Any]:
     if not lists:
         return {}
     rows = list(zip(*lists.values(), strict=True))
-    first = sorted({row: i for i, row in reversed(list(enumerate(rows)))}.values())
-    keep = sorted(set(first) | set(range(min(2, len(rows)))))
+    keep = sorted({row: i for i, row in reversed(list(enumerate(rows)))}.values())
+    if len(keep) < 2:  # one kind of layer: the first two, as the common sizes give
+        keep = list(range(min(2, len(rows))))
     return {"num_hidden_layers": len(keep)} | {
         name: [value[i] for i in keep] for name, value in lists.items()
     }
