@@ -9,8 +9,9 @@ harmonics, 16 sinks, 64 heavy hitters, 15 needles: 5 depths x 16 / 64 / 512 seek
 against dense fp32 attention on 32 sampled query blocks (and every needle's seekers), see
 `sparse/accuracy.py`. Cost is the share of the causal 64 x 64 tiles a method computes. MInference is
 the torch re-implementation in `sparse/minference_baseline.py` at its default 1000 / 6096 budget.
-"bands model" (not in the default set) is tgserve's index with its block diagonals replaced by
-token-shift bands at the same budget, an accuracy model ahead of a kernel (`sparse/shifted_bands.py`).
+"bands (mixed)" and "bands (greedy)" (not in the default set) are tgserve's index with its block
+diagonals replaced by token-shift bands at the same budget, accuracy models ahead of a kernel
+(`sparse/shifted_bands.py`): bands for isolated peaks only, or everywhere.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from tgserve.kernels.sparse.index import index_to_mask
 from tgserve.kernels.sparse.shifted_bands import BandedMasks
 from tgserve.kernels.sparse.synthetic import STRUCTURES, structured_prompt
 
-METHODS = ["tgserve", "MInference", "block oracle", "bands model"]
+METHODS = ["tgserve", "MInference", "block oracle", "bands (mixed)", "bands (greedy)"]
 
 
 def row(n: int, family: str, method: str, report: Report, tile_share: float) -> str:
@@ -42,9 +43,9 @@ def row(n: int, family: str, method: str, report: Report, tile_share: float) -> 
             f"| {worst:.3f} |")  # fmt: skip
 
 
-def bands_model(prompt, index) -> tuple[BandedMasks, float]:
+def bands_model(prompt, index, mixed: bool) -> tuple[BandedMasks, float]:
     """tgserve's index with its block diagonals as token-shift bands (`sparse/shifted_bands.py`)."""
-    masks = BandedMasks.from_index(prompt.query, prompt.key, prompt.scale, index, HeadPattern())
+    masks = BandedMasks.from_index(prompt.query, prompt.key, prompt.scale, index, HeadPattern(), mixed)
     return masks, float(masks.tiles_per_block().sum())
 
 
@@ -67,7 +68,8 @@ def compare(n: int, family: str, args: argparse.Namespace) -> list[str]:
         if theirs is not None
         else None,
         "block oracle": (oracle(prompt, per_block), float(per_block.sum())),
-        "bands model": bands_model(prompt, index) if "bands model" in args.methods else None,
+        "bands (mixed)": bands_model(prompt, index, True) if "bands (mixed)" in args.methods else None,
+        "bands (greedy)": bands_model(prompt, index, False) if "bands (greedy)" in args.methods else None,
     }
     lines = []
     for method in args.methods:

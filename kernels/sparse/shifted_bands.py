@@ -14,12 +14,14 @@ centres are at least a block apart): a run of bands 64 apart is one contiguous k
 kernel's diagonal runs are now. With the block diagonals' own shifts as bands the model gives the
 index's masks exactly (rel L2 equal to the fourth digit on rope and sharp at 32K).
 
-Measured (docs/benchmarks/2026-12-04-sparse-structured-accuracy-cpu.md): greedy bands pay where
-the diagonals are isolated (81 off-grid harmonics at 32K: rel L2 0.137 -> 0.027 at equal tiles)
-and lose on smooth RoPE bands (rope 0.044 -> 0.057): by their selection, since the index's own
-aligned shifts as bands give the index's error. Greedy picks catch more of the last queries'
-diagonal mass (54-58 of 64 rows' worth against 40-50 for aligned top-k) but it transfers worse
-to the other queries; using bands only for isolated peaks is the next step.
+Measured (docs/benchmarks/2026-12-04-sparse-structured-accuracy-cpu.md): greedy bands everywhere
+(`choose_bands`) pay where the diagonals are isolated (81 off-grid harmonics at 32K: rel L2 0.137
+-> 0.027 at equal tiles) and lose on smooth RoPE bands (rope 0.044 -> 0.057), by their selection:
+they catch more of the last queries' diagonal mass but it transfers worse to the other queries.
+`choose_mixed` keeps the index's aligned picks and turns only isolated pairs into single bands:
+0.137 -> 0.028 on the harmonics, and the index's error within 0.001 on four of the five smooth
+families at 32K; at 128K it keeps more of the harmonics' mass (0.888 -> 0.981) but its error is
+0.083 against 0.075, which is to be understood before the kernel takes bands.
 """
 
 from __future__ import annotations
@@ -63,13 +65,15 @@ def choose_bands(scores: torch.Tensor, budget: int, forced: int, block: int) -> 
 
 
 def head_bands(query: torch.Tensor, key: torch.Tensor, scale: float, budget: int, forced: int,
-               last_q: int = 64, block: int = 64) -> torch.Tensor:  # fmt: skip
-    """[H, budget] band shifts of every query head from its last-query diagonal scores."""
+               last_q: int = 64, block: int = 64, mixed: bool = False) -> torch.Tensor:  # fmt: skip
+    """[H, budget] band shifts of every query head from its last-query diagonal scores: greedy
+    (`choose_bands`) or aligned but for isolated peaks (`choose_mixed`)."""
     group = query.shape[1] // key.shape[1]
+    choose = choose_mixed if mixed else choose_bands
     out = []
     for kv in range(key.shape[1]):
         _, slash = estimate.last_q_stats(query[:, kv * group : (kv + 1) * group], key[:, kv], scale, last_q)
-        out.append(choose_bands(band_scores(slash, block), budget, forced, block))
+        out.append(choose(band_scores(slash, block), budget, forced, block))
     return torch.cat(out)
 
 
@@ -138,11 +142,11 @@ class BandedMasks:
 
     @classmethod
     def from_index(cls, query: torch.Tensor, key: torch.Tensor, scale: float, index: SparseIndex,
-                   pattern: HeadPattern) -> BandedMasks:  # fmt: skip
+                   pattern: HeadPattern, mixed: bool = False) -> BandedMasks:  # fmt: skip
         """The index's columns, its slash budget as bands, rescue blocks chosen around the bands."""
         block = index.block
         bands = head_bands(query, key, scale, -(-pattern.slash // block), -(-pattern.local // block) + 1,
-                           block=block)  # fmt: skip
+                           block=block, mixed=mixed)  # fmt: skip
         listed = banded_rescue(query, key, scale, bands, index.columns, pattern.rescue, block)
         no_diagonals = torch.zeros_like(index.diag_cover, dtype=torch.bool)
         return cls(bands, build_index(index.seq_len, block, no_diagonals, listed, index.columns))
@@ -163,3 +167,48 @@ class BandedMasks:
         bands = self.bands[:, None, :]
         reach = (bands >= 0) & (q0[None, :, None] - bands + self.rest.block > 0)
         return reach.sum(-1) + self.rest.tiles_per_block()
+
+
+def choose_mixed(scores: torch.Tensor, budget: int, forced: int, block: int, keep: float = 0.9,
+                 rounds: int = 8) -> torch.Tensor:  # fmt: skip
+    """[G, budget] shifts: block diagonals as the index picks them (aligned top-k), except where an
+    isolated pair of them (neighbours unselected) holds one peak, which a single band at its best
+    shift keeps `keep` of for one tile instead of two; the tiles freed go to the next best aligned
+    diagonals that no band overlaps, for `rounds` rounds. Runs of three or more stay aligned."""
+    rows = [_mixed_one(row, budget, forced, block, keep, rounds) for row in scores.cpu()]
+    return torch.tensor(rows, dtype=torch.long, device=scores.device)
+
+
+def _mixed_one(
+    score: torch.Tensor, budget: int, forced: int, block: int, keep: float, rounds: int
+) -> list[int]:
+    n = score.shape[0]
+    aligned = score[::block]
+    nd = aligned.shape[0]
+    order = torch.argsort(aligned, descending=True).tolist()
+    chosen = set(range(min(forced, nd)))
+    bands: list[int] = []
+    blocked: set[int] = set()  # aligned diagonals a band overlaps
+    for _ in range(rounds):
+        for d in order:  # fill the budget with the best aligned diagonals free of bands
+            if len(chosen) + len(bands) >= budget:
+                break
+            if d not in chosen and d not in blocked:
+                chosen.add(d)
+        changed = False
+        for d in sorted(chosen):
+            pair = d + 1 in chosen and d - 1 not in chosen and d + 2 not in chosen and d >= forced
+            if not pair:
+                continue
+            window = score[d * block : min(n, (d + 1) * block + 1)]
+            best = int(window.argmax())
+            if float(window[best]) >= keep * float(aligned[d] + aligned[d + 1]):
+                shift = d * block + best
+                chosen -= {d, d + 1}
+                bands.append(shift)
+                blocked |= {x for x in range(d - 1, d + 3) if abs(x * block - shift) < block}
+                changed = True
+        if not changed and len(chosen) + len(bands) >= min(budget, nd):
+            break
+    shifts = sorted([d * block for d in chosen] + bands)[:budget]
+    return shifts + [-1] * (budget - len(shifts))

@@ -14,7 +14,13 @@ from tgserve.kernels.sparse.accuracy import oracle, score
 from tgserve.kernels.sparse.attention import estimate_index
 from tgserve.kernels.sparse.config import HeadPattern
 from tgserve.kernels.sparse.index import build_index, index_to_mask
-from tgserve.kernels.sparse.shifted_bands import BandedMasks, band_held, band_scores, choose_bands
+from tgserve.kernels.sparse.shifted_bands import (
+    BandedMasks,
+    band_held,
+    band_scores,
+    choose_bands,
+    choose_mixed,
+)
 from tgserve.kernels.sparse.synthetic import STRUCTURES, Structure, structured_prompt
 
 SMALL = Structure(seekers=(16, 64), depths=(0.25, 0.75))
@@ -155,3 +161,14 @@ def test_bands_centre_on_isolated_diagonals_off_the_block_grid():
     scores[0, [700, 1333, 2900]] = torch.tensor([3.0, 2.0, 1.0])
     picked = choose_bands(band_scores(scores, b), budget=5, forced=2, block=b)
     assert picked[0].tolist() == [0, 64, 700, 1333, 2900]
+
+
+def test_mixed_bands_shift_isolated_peaks_and_leave_runs_aligned():
+    n, b = 4096, 64
+    scores = torch.zeros(1, n)
+    scores[0, [700, 1333, 2900]] = torch.tensor([3.0, 2.0, 1.0])
+    scores[0, 2000:2400] = 0.05  # a plateau: a run of aligned block diagonals
+    picked = choose_mixed(band_scores(scores, b), budget=14, forced=2, block=b)[0].tolist()
+    assert {700, 1333, 2900} <= set(picked)  # one tile each, centred, instead of two aligned
+    assert {1984, 2048, 2112, 2176, 2240, 2304, 2368} <= set(picked)
+    assert len(set(picked)) == 14 and all(abs(x - y) >= b for x, y in zip(sorted(picked), sorted(picked)[1:]))
