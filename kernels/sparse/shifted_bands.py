@@ -21,7 +21,8 @@ they catch more of the last queries' diagonal mass but it transfers worse to the
 `choose_mixed` keeps the index's aligned picks and turns only isolated pairs into single bands:
 0.137 -> 0.028 on the harmonics, and the index's error within 0.001 on four of the five smooth
 families at 32K; at 128K it keeps more of the harmonics' mass (0.888 -> 0.981) but its error is
-0.083 against 0.075, which is to be understood before the kernel takes bands.
+0.083 against 0.075, from two query blocks whose single salient keys beside a harmonic the
+index's aligned pair held by chance and the rescue does not pick.
 """
 
 from __future__ import annotations
