@@ -21,8 +21,9 @@ they catch more of the last queries' diagonal mass but it transfers worse to the
 `choose_mixed` keeps the index's aligned picks and turns only isolated pairs into single bands:
 0.137 -> 0.028 on the harmonics, and the index's error within 0.001 on four of the five smooth
 families at 32K; at 128K it keeps more of the harmonics' mass (0.888 -> 0.981) but its error is
-0.083 against 0.075, from two query blocks whose single salient keys beside a harmonic the
-index's aligned pair held by chance and the rescue does not pick.
+0.083 against 0.075: the harmonics are four times wider there, and a band holds diagonal s + x
+for only (64 - |x|) / 64 of the rows, so their tails fall outside it where an aligned pair held
+them. The rule has to see the peak's width, not only its score.
 """
 
 from __future__ import annotations
