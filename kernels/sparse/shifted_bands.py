@@ -18,12 +18,13 @@ Measured (docs/benchmarks/2026-12-04-sparse-structured-accuracy-cpu.md): greedy 
 (`choose_bands`) pay where the diagonals are isolated (81 off-grid harmonics at 32K: rel L2 0.137
 -> 0.027 at equal tiles) and lose on smooth RoPE bands (rope 0.044 -> 0.057), by their selection:
 they catch more of the last queries' diagonal mass but it transfers worse to the other queries.
-`choose_mixed` keeps the index's aligned picks and turns only isolated pairs into single bands:
-0.137 -> 0.028 on the harmonics, and the index's error within 0.001 on four of the five smooth
-families at 32K; at 128K it keeps more of the harmonics' mass (0.888 -> 0.981) but its error is
-0.083 against 0.075: the harmonics are four times wider there, and a band holds diagonal s + x
-for only (64 - |x|) / 64 of the rows, so their tails fall outside it where an aligned pair held
-them. The rule has to see the peak's width, not only its score.
+`choose_mixed` keeps the index's aligned picks and turns only isolated pairs into single bands.
+A band holds diagonal s + x for only (64 - |x|) / 64 of a block's rows, so a peak with tails
+loses them where the aligned pair held 64 offsets whole: with the pair replaced whenever the band
+keeps 90% of its score, the harmonics at 128K (four times wider than at 32K) lost more than they
+gained (0.075 -> 0.083); at 97%, 0.137 -> 0.030 at 32K and 0.075 -> 0.067 at 128K, and every
+smooth family is within 0.0001 of the index (few or none of their pairs pass). It is the
+selection for the kernel.
 """
 
 from __future__ import annotations
@@ -171,7 +172,7 @@ class BandedMasks:
         return reach.sum(-1) + self.rest.tiles_per_block()
 
 
-def choose_mixed(scores: torch.Tensor, budget: int, forced: int, block: int, keep: float = 0.9,
+def choose_mixed(scores: torch.Tensor, budget: int, forced: int, block: int, keep: float = 0.97,
                  rounds: int = 8) -> torch.Tensor:  # fmt: skip
     """[G, budget] shifts: block diagonals as the index picks them (aligned top-k), except where an
     isolated pair of them (neighbours unselected) holds one peak, which a single band at its best
