@@ -52,28 +52,20 @@ def score_rows(
 ) -> tuple[RowScore, float]:
     """Dense vs masked attention on `rows`; with a needle, also the kept share of its attention.
     seekers=False scores only the rows that look for no needle, True only those that look for one."""
-    q = prompt.query[rows].float().transpose(0, 1)  # [H, r, d]
     end = rows.stop
-    k = prompt.key[:end].float().transpose(0, 1)  # [Hkv, m, d]
-    v = prompt.value[:end].float().transpose(0, 1)
-    heads, r, d = q.shape
-    group = heads // k.shape[0]
-    logits = (q.reshape(k.shape[0], group * r, d) @ k.transpose(1, 2)).view(heads, r, end) * prompt.scale
-    device = q.device
-    causal = (
-        torch.arange(end, device=device)[None, :] <= torch.arange(rows.start, end, device=device)[:, None]
-    )
-    probs = torch.softmax(logits.masked_fill_(~causal, -torch.inf), dim=-1)
+    probs, causal = dense_probs(prompt, rows)
+    v = prompt.value[:end].float().transpose(0, 1)  # [Hkv, m, d]
+    heads, r, d = probs.shape[0], probs.shape[1], v.shape[-1]
+    group = heads // v.shape[0]
     mask = mask_of(rows)[..., :end]
     if seekers is not None:
-        counted = seeker_rows(prompt, rows).to(device) == seekers
+        counted = seeker_rows(prompt, rows).to(probs.device) == seekers
         probs, mask, causal = probs[:, counted], mask[:, counted], causal[counted]
-        q = q[:, counted]
-        r = q.shape[1]
+        r = probs.shape[1]
     kept = probs * mask
-    dense = (probs.view(k.shape[0], group * r, end) @ v).view(heads, r, d)
+    dense = (probs.view(v.shape[0], group * r, end) @ v).view(heads, r, d)
     mass = kept.sum(-1, keepdim=True)
-    approx = ((kept / mass.clamp(min=1e-30)).view(k.shape[0], group * r, end) @ v).view(heads, r, d)
+    approx = ((kept / mass.clamp(min=1e-30)).view(v.shape[0], group * r, end) @ v).view(heads, r, d)
     score = RowScore(
         err=(approx - dense).double().pow(2).sum().item(),
         ref=dense.double().pow(2).sum().item(),
@@ -88,6 +80,22 @@ def score_rows(
         p = probs[:, seekers, needle.key]
         recall = (kept[:, seekers, needle.key].double().sum() / p.double().sum().clamp(min=1e-30)).item()
     return score, recall
+
+
+def dense_probs(prompt: StructuredPrompt, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense causal softmax attention of `rows` over keys [0, rows.stop), float32 [H, r, stop],
+    and the causal mask [r, stop]."""
+    q = prompt.query[rows].float().transpose(0, 1)  # [H, r, d]
+    end = rows.stop
+    k = prompt.key[:end].float().transpose(0, 1)  # [Hkv, m, d]
+    heads, r, d = q.shape
+    group = heads // k.shape[0]
+    logits = (q.reshape(k.shape[0], group * r, d) @ k.transpose(1, 2)).view(heads, r, end) * prompt.scale
+    device = q.device
+    causal = (
+        torch.arange(end, device=device)[None, :] <= torch.arange(rows.start, end, device=device)[:, None]
+    )
+    return torch.softmax(logits.masked_fill_(~causal, -torch.inf), dim=-1), causal
 
 
 def seeker_rows(prompt: StructuredPrompt, rows: slice) -> torch.Tensor:
@@ -149,7 +157,6 @@ def score(prompt: StructuredPrompt, mask_of: MaskOfRows, blocks: int = 32, block
 def oracle(prompt: StructuredPrompt, tiles_per_block: torch.Tensor, block: int = 64) -> MaskOfRows:
     """Mask source that keeps, for each query block, the tiles_per_block[h, q] key blocks holding
     the most true attention mass: the best any block-granular estimate could do at that cost."""
-    group = prompt.query.shape[1] // prompt.key.shape[1]
 
     def mask_of(rows: slice) -> torch.Tensor:
         stop = rows.stop
@@ -158,12 +165,7 @@ def oracle(prompt: StructuredPrompt, tiles_per_block: torch.Tensor, block: int =
                            device=device)  # fmt: skip
         for r0 in range(rows.start, stop, block):
             r1 = min(stop, r0 + block)
-            q = prompt.query[r0:r1].float().transpose(0, 1)
-            k = prompt.key[:r1].float().repeat_interleave(group, 1).transpose(0, 1)
-            causal = torch.arange(r1, device=device)[None, :] <= torch.arange(r0, r1, device=device)[:, None]
-            probs = torch.softmax(
-                ((q @ k.transpose(1, 2)) * prompt.scale).masked_fill(~causal, -torch.inf), -1
-            )
+            probs, causal = dense_probs(prompt, slice(r0, r1))
             key_blocks = -(-r1 // block)
             per_block = torch.nn.functional.pad(probs.sum(1), (0, key_blocks * block - r1))
             per_block = per_block.view(len(probs), key_blocks, block).sum(-1)  # [H, key blocks]

@@ -73,39 +73,51 @@ def top_with_forced(score: torch.Tensor, budget: list[int], forced: list[int]) -
     return torch.where(keep, top, -1)
 
 
-def block_diagonal_scores(slash: torch.Tensor, block: int) -> torch.Tensor:
-    """[G, Q]: expected per-row mass that block diagonal d captures, from diagonal scores [G, n].
+def band_scores(slash: torch.Tensor, block: int) -> torch.Tensor:
+    """[G, n]: expected per-row mass that a tile of `block` keys at token shift s captures, from
+    diagonal scores [G, n].
 
-    Block diagonal d (key block = query block - d) holds, for a query at row a of its block, the
-    token diagonals s with d*block - s in (a - block, a]; over the block's rows, diagonal s falls
-    in block diagonal d with weight (block - |s - d*block|) / block (a triangle).
+    The tile at shift s holds, for the query block starting at q0, the keys q0 - s .. q0 - s +
+    block - 1: for a query at row a of its block, the token diagonals s' with s - s' in
+    (a - block, a]; over the block's rows, diagonal s' falls in it with weight
+    (block - |s' - s|) / block (a triangle centred on s).
     """
-    g, n = slash.shape
-    nq = -(-n // block)
-    padded = torch.zeros(g, 1, (nq + 1) * block, device=slash.device)
-    padded[:, 0, :n] = slash
-    tri = block - torch.arange(-(block - 1), block, device=slash.device).abs().float()
-    pooled = torch.nn.functional.conv1d(padded, (tri / block).view(1, 1, -1), padding=block - 1)
-    return pooled[:, 0, 0 : nq * block : block]
+    n = slash.shape[1]
+    tri = (block - torch.arange(-(block - 1), block, device=slash.device).abs().float()) / block
+    pooled = torch.nn.functional.conv1d(slash[:, None], tri.view(1, 1, -1), padding=block - 1)
+    return pooled[:, 0, :n]
+
+
+def block_diagonal_scores(slash: torch.Tensor, block: int) -> torch.Tensor:
+    """[G, Q]: expected per-row mass that block diagonal d (key block = query block - d) captures,
+    from diagonal scores [G, n]: the band at the aligned shift d * block."""
+    return band_scores(slash, block)[:, ::block]
+
+
+def last_q_scores(
+    query: torch.Tensor, key: torch.Tensor, heads: list[int], scale: float, last_q: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`last_q_stats` of the listed query heads, KV group by KV group: vertical and token-diagonal
+    scores, float32 [S, n] each (query [n, H, d], key [n, Hkv, d])."""
+    n, group = query.shape[0], query.shape[1] // key.shape[1]
+    vertical = torch.zeros(len(heads), n, device=query.device)
+    slash = torch.zeros(len(heads), n, device=query.device)
+    for kv in range(key.shape[1]):
+        rows = [i for i, h in enumerate(heads) if h // group == kv]
+        if rows:
+            vertical[rows], slash[rows] = last_q_stats(
+                query[:, [heads[i] for i in rows]], key[:, kv], scale, last_q
+            )
+    return vertical, slash
 
 
 def vertical_slash_scores(
     query: torch.Tensor, key: torch.Tensor, heads: list[int], scale: float, last_q: int, block: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Vertical and block-diagonal scores of the listed query heads: float32 [S, n] and [S, Q].
-
-    query [n, H, d], key [n, Hkv, d]; KV group by KV group (twin of lastq.last_q_scores_triton).
-    """
-    n, group = query.shape[0], query.shape[1] // key.shape[1]
-    vertical = torch.zeros(len(heads), n, device=query.device)
-    diagonal = torch.zeros(len(heads), -(-n // block), device=query.device)
-    for kv in range(key.shape[1]):
-        rows = [i for i, h in enumerate(heads) if h // group == kv]
-        if rows:
-            v, s = last_q_stats(query[:, [heads[i] for i in rows]], key[:, kv], scale, last_q)
-            vertical[rows] = v
-            diagonal[rows] = block_diagonal_scores(s, block)
-    return vertical, diagonal
+    """Vertical and block-diagonal scores of the listed query heads: float32 [S, n] and [S, Q]
+    (twin of lastq.last_q_scores_triton)."""
+    vertical, slash = last_q_scores(query, key, heads, scale, last_q)
+    return vertical, block_diagonal_scores(slash, block)
 
 
 def top_diagonals(scores: torch.Tensor, budget: list[int], forced: list[int]) -> torch.Tensor:
@@ -158,8 +170,8 @@ def pooled_max_scores(
     """Block-mean query x every key, max-pooled per key block, [G, Q, Q] (torch twin of pooled.py).
 
     Max- rather than mean-pooling the keys keeps a single salient key (a needle) visible.
-    skip_keys (bool [G, n]) removes keys the pattern already holds as columns (sinks, verticals),
-    so that they do not win blocks that add nothing. From 16-bit inputs the block means and keys
+    skip_keys (bool [G, n], or [G, Q, n] per query block) removes keys the pattern already holds
+    (sinks, verticals), so that they do not win blocks that add nothing. From 16-bit inputs the block means and keys
     are rounded to e4m3 rows first, as the Triton kernel multiplies them (`fp8_products`).
     """
     n = q.shape[0]
@@ -176,7 +188,9 @@ def pooled_max_scores(
     else:
         per_key[..., :n] = (qm @ k.float().t()) * scale
     if skip_keys is not None:
-        per_key[..., :n].masked_fill_(skip_keys[:, None, :], float("-inf"))
+        per_key[..., :n].masked_fill_(
+            skip_keys if skip_keys.dim() == 3 else skip_keys[:, None, :], float("-inf")
+        )
     scores = per_key.view(q.shape[1], nq, nq, block).amax(-1)
     return scores.masked_fill(~block_causal(nq, q.device), float("-inf"))
 
@@ -216,6 +230,14 @@ def held_blocks(cover: torch.Tensor, listed: torch.Tensor | None) -> torch.Tenso
     return held
 
 
+def column_keys(columns: torch.Tensor, n: int) -> torch.Tensor:
+    """bool [S, n]: the keys listed in columns [S, C] (entries < 0 or >= n are none)."""
+    listed = columns.long()
+    keys = torch.zeros(columns.shape[0], n + 1, dtype=torch.bool, device=columns.device)
+    keys.scatter_(1, torch.where((listed >= 0) & (listed < n), listed, n), True)
+    return keys[:, :n]
+
+
 def rescue_blocks(
     query: torch.Tensor, key: torch.Tensor, heads: list[int], scale: float, block: int, cover: torch.Tensor,
     listed: torch.Tensor | None, columns: torch.Tensor | None, budget: list[int],
@@ -231,11 +253,7 @@ def rescue_blocks(
     width = max(1, min(nq, max(budget)))
     out = []
     for s, h in enumerate(heads):
-        skip = None
-        if columns is not None:
-            skip = torch.zeros(1, n + 1, dtype=torch.bool, device=query.device)
-            skip.scatter_(1, torch.where(columns[s : s + 1] >= 0, columns[s : s + 1].long(), n), True)
-            skip = skip[:, :n]
+        skip = None if columns is None else column_keys(columns[s : s + 1], n)
         scores = pooled_max_scores(query[:, h : h + 1], key[:, h // group], scale, block, skip)
         held = held_blocks(cover[s : s + 1], None if listed is None else listed[s : s + 1])
         picks = top_blocks(scores, [budget[s]], exclude=held)

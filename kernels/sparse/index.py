@@ -37,7 +37,7 @@ class SparseIndex:
         """Fraction of the causal block matrix the kernel visits (columns counted as blocks)."""
         q = self.diag_cover.shape[1]
         causal_blocks = q * (q + 1) / 2
-        visited = self._diagonal_blocks() + self.block_count.sum()
+        visited = self._diagonal_blocks().sum() + self.block_count.sum()
         visited = visited + (self.column_count.sum() / self.block)
         return float(visited) / (causal_blocks * self.diag_cover.shape[0])
 
@@ -48,12 +48,12 @@ class SparseIndex:
     def tiles_per_block(self) -> torch.Tensor:
         """int64 [H, Q]: the tiles of each query block (diagonal blocks, listed blocks, column chunks)."""
         chunks = (self.column_count.long() + self.block - 1) // self.block
-        return self.diag_cover.long().cumsum(dim=1) + self.block_count.long() + chunks
+        return self._diagonal_blocks() + self.block_count.long() + chunks
 
     def _diagonal_blocks(self) -> torch.Tensor:
-        """Blocks on the selected diagonals over all query blocks: query block i reaches the
-        offsets d <= i, so it counts the cover's prefix up to i."""
-        return self.diag_cover.long().cumsum(dim=1).sum()
+        """int64 [H, Q]: blocks on the selected diagonals of each query block: query block i
+        reaches the offsets d <= i, so it counts the cover's prefix up to i."""
+        return self.diag_cover.long().cumsum(dim=1)
 
 
 def num_blocks(seq_len: int, block: int) -> int:

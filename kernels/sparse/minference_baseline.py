@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tgserve.kernels.sparse.estimate import last_q_stats
+from tgserve.kernels.sparse.estimate import last_q_scores
 
 BLOCK = 64  # MInference's kernels take 64 x 64 tiles only
 FORCED_COLUMNS = 30
@@ -53,17 +53,14 @@ def minference_index(
 ) -> MInferenceIndex:
     """The top verticals and slashes of every query head (query [n, H, d], key [n, Hkv, d])."""
     n, heads, _ = query.shape
-    group = heads // key.shape[1]
     vertical = min(n, max(vertical, FORCED_COLUMNS))
     slash = min(n, max(slash, 50))
-    verticals, offsets = [], []
-    for kv in range(key.shape[1]):
-        v_scores, s_scores = last_q_stats(query[:, kv * group : (kv + 1) * group], key[:, kv], scale, last_q)
-        v_scores[:, :FORCED_COLUMNS] = torch.inf
-        s_scores[:, :FORCED_OFFSETS] = torch.inf
-        verticals.append(torch.topk(v_scores, vertical, dim=1).indices.sort(dim=1).values)
-        offsets.append(torch.topk(s_scores, slash, dim=1).indices.sort(dim=1, descending=True).values)
-    return MInferenceIndex(seq_len=n, verticals=torch.cat(verticals), offsets=torch.cat(offsets))
+    v_scores, s_scores = last_q_scores(query, key, list(range(heads)), scale, last_q)
+    v_scores[:, :FORCED_COLUMNS] = torch.inf
+    s_scores[:, :FORCED_OFFSETS] = torch.inf
+    verticals = torch.topk(v_scores, vertical, dim=1).indices.sort(dim=1).values
+    offsets = torch.topk(s_scores, slash, dim=1).indices.sort(dim=1, descending=True).values
+    return MInferenceIndex(seq_len=n, verticals=verticals, offsets=offsets)
 
 
 @dataclass

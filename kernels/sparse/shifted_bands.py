@@ -38,15 +38,6 @@ from tgserve.kernels.sparse.config import HeadPattern
 from tgserve.kernels.sparse.index import SparseIndex, build_index, index_to_mask
 
 
-def band_scores(slash: torch.Tensor, block: int) -> torch.Tensor:
-    """[G, n]: the mass a band at each token shift keeps, from diagonal scores [G, n] (a triangle
-    of width 2 * block - 1 centred on the shift)."""
-    g, n = slash.shape
-    tri = (block - torch.arange(-(block - 1), block, device=slash.device).abs().float()) / block
-    pooled = torch.nn.functional.conv1d(slash[:, None], tri.view(1, 1, -1), padding=block - 1)
-    return pooled[:, 0, :n]
-
-
 def choose_bands(scores: torch.Tensor, budget: int, forced: int, block: int) -> torch.Tensor:
     """[G, budget] band shifts: the `forced` aligned ones nearest the diagonal (0, block, ...), then
     the best by score, each suppressing the shifts within a block of it (no two bands overlap).
@@ -71,13 +62,9 @@ def head_bands(query: torch.Tensor, key: torch.Tensor, scale: float, budget: int
                last_q: int = 64, block: int = 64, mixed: bool = False) -> torch.Tensor:  # fmt: skip
     """[H, budget] band shifts of every query head from its last-query diagonal scores: greedy
     (`choose_bands`) or aligned but for isolated peaks (`choose_mixed`)."""
-    group = query.shape[1] // key.shape[1]
+    _, slash = estimate.last_q_scores(query, key, list(range(query.shape[1])), scale, last_q)
     choose = choose_mixed if mixed else choose_bands
-    out = []
-    for kv in range(key.shape[1]):
-        _, slash = estimate.last_q_stats(query[:, kv * group : (kv + 1) * group], key[:, kv], scale, last_q)
-        out.append(choose(band_scores(slash, block), budget, forced, block))
-    return torch.cat(out)
+    return choose(estimate.band_scores(slash, block), budget, forced, block)
 
 
 def band_keys(bands: torch.Tensor, query_blocks: torch.Tensor, n: int, block: int) -> torch.Tensor:
@@ -119,18 +106,12 @@ def banded_rescue(query: torch.Tensor, key: torch.Tensor, scale: float, bands: t
     blocks = torch.arange(nq, device=query.device)
     picks = []
     for h in range(query.shape[1]):
-        listed = columns[h : h + 1].long()
-        skip = torch.zeros(1, n + 1, dtype=torch.bool, device=query.device)
-        skip.scatter_(1, torch.where((listed >= 0) & (listed < n), listed, n), True)
-        # Pooled-max per query block without the keys its bands already keep (a block half held
-        # by a band must win on its other half).
-        per_key = torch.full((nq, nq * block), -torch.inf, device=query.device)
-        per_key[:, :n] = (estimate.block_means(query[:, h], block) @ key[:, h // group].float().t()) * scale
-        per_key[:, :n].masked_fill_(
-            skip[:, :n] | band_keys(bands[h : h + 1], blocks, n, block)[0], -torch.inf
+        # Pooled-max per query block without the head's columns nor the keys its bands already
+        # keep (a block half held by a band must win on its other half).
+        skip = estimate.column_keys(columns[h : h + 1], n)[:, None, :] | band_keys(
+            bands[h : h + 1], blocks, n, block
         )
-        scores = per_key.view(1, nq, nq, block).amax(-1)
-        scores = scores.masked_fill(~estimate.block_causal(nq, query.device), -torch.inf)
+        scores = estimate.pooled_max_scores(query[:, h : h + 1], key[:, h // group], scale, block, skip)
         picks.append(estimate.top_blocks(scores, [budget], exclude=held[h : h + 1]))
     return estimate.share_neighbours(torch.cat(picks))
 

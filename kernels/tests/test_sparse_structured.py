@@ -13,11 +13,11 @@ from tgserve.kernels.sparse import minference_baseline as minference
 from tgserve.kernels.sparse.accuracy import oracle, score
 from tgserve.kernels.sparse.attention import estimate_index
 from tgserve.kernels.sparse.config import HeadPattern
+from tgserve.kernels.sparse.estimate import band_scores
 from tgserve.kernels.sparse.index import build_index, index_to_mask
 from tgserve.kernels.sparse.shifted_bands import (
     BandedMasks,
     band_held,
-    band_scores,
     choose_bands,
     choose_mixed,
 )

@@ -101,9 +101,14 @@ def saved_tiny_model(model_type: str, architecture: str, directory: Path, **over
             if name.endswith("norm.weight"):
                 param.uniform_(-0.5, 0.5)
     model.save_pretrained(directory)
+    copy_tokenizer(tokenizer_dir, directory)
+    return model
+
+
+def copy_tokenizer(tokenizer_dir: Path, directory: Path) -> None:
+    """The fixtures' shared tokenizer files beside a model saved in `directory`."""
     for file in tokenizer_dir.iterdir():
         shutil.copy(file, directory / file.name)
-    return model
 
 
 def consistent_sizes(default: Any, sizes: dict[str, Any]) -> dict[str, Any]:
@@ -195,8 +200,7 @@ def run_one(model_type: str, architecture: str, workdir: Path) -> Row:
             want.append(out[0, len(prompt) :].tolist())
     except Exception as exc:  # the tiny config does not work in transformers either: not the engine's
         return Row(model_type, architecture, "untested", f"transformers: {type(exc).__name__}: {exc}"[:300])
-    for file in tokenizer_dir.iterdir():
-        shutil.copy(file, directory / file.name)
+    copy_tokenizer(tokenizer_dir, directory)
     from tgserve.server.models.registry import UnsupportedModelError
 
     try:

@@ -141,15 +141,13 @@ def test_alibi_biases_each_sequence_from_its_own_positions(tmp_path):
 @pytest.mark.parametrize("model_type", ["llama", "opt", "qwen3_moe"])
 def test_dummy_weights_serve_any_architecture_from_its_config_alone(tmp_path, model_type):
     """load_format "dummy": no checkpoint in the directory, native or through transformers."""
-    import shutil
-
     from tgserve import LLM, SamplingParams
+    from tgserve.server.testing.arch_sweep import copy_tokenizer
     from tgserve.server.testing.fixtures import _token_ids, _tokenizer_dir, default_cache_dir
 
     tokenizer_dir = _tokenizer_dir(default_cache_dir())
     tiny_config(model_type, _token_ids(tokenizer_dir)).save_pretrained(tmp_path)
-    for file in tokenizer_dir.iterdir():
-        shutil.copy(file, tmp_path / file.name)
+    copy_tokenizer(tokenizer_dir, tmp_path)
     assert not list(tmp_path.glob("*.safetensors"))
     llm = LLM(str(tmp_path), load_format="dummy", dtype="float32", device="cpu", block_size=8, num_blocks=32)
     params = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
