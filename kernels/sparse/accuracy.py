@@ -49,9 +49,10 @@ class Report:
 
 def score_rows(
     prompt: StructuredPrompt, mask_of: MaskOfRows, rows: slice, needle=None, seekers: bool | None = None
-) -> tuple[RowScore, float]:
-    """Dense vs masked attention on `rows`; with a needle, also the kept share of its attention.
-    seekers=False scores only the rows that look for no needle, True only those that look for one."""
+) -> tuple[RowScore, tuple[float, float]]:
+    """Dense vs masked attention on `rows`; with a needle, also the attention its seekers among
+    `rows` give it, kept and in all. seekers=False scores only the rows that look for no needle,
+    True only those that look for one."""
     end = rows.stop
     probs, causal = dense_probs(prompt, rows)
     v = prompt.value[:end].float().transpose(0, 1)  # [Hkv, m, d]
@@ -74,12 +75,12 @@ def score_rows(
         causal=float(heads * causal.sum().item()),
         rows=heads * r,
     )
-    recall = math.nan
+    to_needle = (0.0, 0.0)
     if needle is not None:
-        seekers = slice(needle.seekers.start - rows.start, needle.seekers.stop - rows.start)
-        p = probs[:, seekers, needle.key]
-        recall = (kept[:, seekers, needle.key].double().sum() / p.double().sum().clamp(min=1e-30)).item()
-    return score, recall
+        seekers = slice(max(needle.seekers.start, rows.start) - rows.start, needle.seekers.stop - rows.start)
+        to_needle = (kept[:, seekers, needle.key].double().sum().item(),
+                     probs[:, seekers, needle.key].double().sum().item())  # fmt: skip
+    return score, to_needle
 
 
 def dense_probs(prompt: StructuredPrompt, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,9 +135,14 @@ def score(prompt: StructuredPrompt, mask_of: MaskOfRows, blocks: int = 32, block
         sampled = sampled.add(part)
     needles = []
     for needle in prompt.needles:
-        first = needle.seekers.start // block * block  # masks are asked for from a block's start
-        part, recall = score_rows(prompt, mask_of, slice(first, needle.seekers.stop), needle)
-        needles.append((needle.depth, len(needle.seekers), recall, part.rel_l2))
+        part, kept, seen = RowScore(), 0.0, 0.0
+        # A block at a time (masks are asked for from a block's start): 512 seekers' rows at once
+        # would hold [H, 576, n] float32 several times over (113 GiB at 512K and 32 heads).
+        for start in range(needle.seekers.start // block * block, needle.seekers.stop, block):
+            rows = slice(start, min(start + block, needle.seekers.stop))
+            chunk, (chunk_kept, chunk_seen) = score_rows(prompt, mask_of, rows, needle)
+            part, kept, seen = part.add(chunk), kept + chunk_kept, seen + chunk_seen
+        needles.append((needle.depth, len(needle.seekers), kept / max(seen, 1e-30), part.rel_l2))
     seekers = RowScore()
     for qb in seeker_blocks:
         rows = slice(qb * block, min(n, (qb + 1) * block))
