@@ -119,17 +119,24 @@ def cudnn_row(n: int) -> dict[str, float | None]:
     return {"sdpa_cudnn": ms}
 
 
-def _sparse_setup(n: int):
+def _sparse_setup(n: int, pattern: dict | None = None):
     from tgserve.kernels.sparse.attention import estimate_index
-    from tgserve.kernels.sparse.config import SparseConfig
+    from tgserve.kernels.sparse.config import SparseConfig, parse_sparse_config
     from tgserve.kernels.sparse.synthetic import planted_prompt
+    from tgserve.kernels.sparse.tail import skipped_tail
 
-    config = SparseConfig()
+    config = parse_sparse_config({"default": pattern}) if pattern else SparseConfig()
     patterns = config.head_patterns(0, HEADS)
     p = planted_prompt(n, HEADS, KV_HEADS, DIM, seed=0, dtype=DTYPE, device="cuda")
 
     def estimate():
-        return estimate_index(p.query, p.key, p.scale, patterns, config.block, config.last_q, use_triton=True)
+        """The index, and with tail patterns the tail too (`sparse/tail.py`), as sparse_prefill runs them."""
+        index = estimate_index(
+            p.query, p.key, p.scale, patterns, config.block, config.last_q, use_triton=True
+        )
+        if not any(x.tail for x in patterns):
+            return index, None
+        return index, skipped_tail(p.query, p.key, p.value, index, p.scale, [x.tail for x in patterns])
 
     return p, estimate
 
@@ -139,19 +146,22 @@ def tile_tflops(index, ms: float) -> float:
     return index.tiles() * 4 * index.block**2 * DIM / (ms * 1e-3) / 1e12
 
 
-def sparse_prefill_row(n: int, iters: int) -> dict[str, float]:
-    """Estimation, kernel and total milliseconds of the default sparse config, density, tile TFLOP/s."""
+def sparse_prefill_row(n: int, iters: int, pattern: dict | None = None) -> dict[str, float]:
+    """Estimation, kernel and total milliseconds of the sparse config (default, or every head on
+    `pattern`'s fields), density, tile TFLOP/s."""
     from tgserve.kernels.sparse.kernel import sparse_attention_kernel
 
-    p, estimate = _sparse_setup(n)
-    index = estimate()
+    p, estimate = _sparse_setup(n, pattern)
+    index, tail = estimate()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     est = timed_ms(estimate, warmup=1, iters=iters)
     est_mem = torch.cuda.max_memory_allocated() - base
     kern = timed_ms(
-        lambda: sparse_attention_kernel(p.query, p.key, p.value, index, p.scale), warmup=1, iters=iters
+        lambda: sparse_attention_kernel(p.query, p.key, p.value, index, p.scale, tail=tail),
+        warmup=1,
+        iters=iters,
     )
     return {"estimate_ms": est, "kernel_ms": kern, "total_ms": est + kern, "density": index.density(),
             "tiles": index.tiles(), "kernel_TFLOP/s": tile_tflops(index, kern),
@@ -163,7 +173,7 @@ def kernel_only_row(n: int) -> dict[str, float]:
     from tgserve.kernels.sparse.kernel import sparse_attention_kernel
 
     p, estimate = _sparse_setup(n)
-    index = estimate()
+    index, _ = estimate()
     out = torch.empty_like(p.query)
     torch.cuda.synchronize()
     tensors = [p.query, p.key, p.value, out] + [x for x in vars(index).values() if torch.is_tensor(x)]
@@ -266,6 +276,8 @@ def main() -> None:
     parser.add_argument("--cudnn", type=int, nargs="*", default=[], help="cuDNN-only baseline lengths")
     parser.add_argument("--kernel-only", type=int, nargs="*", default=[1048576])
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--pattern", type=json.loads, default=None,
+                        help='sparse rows: every head on these HeadPattern fields, e.g. \'{"vertical": 512}\'')  # fmt: skip
     args = parser.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     results: dict = {"device": torch.cuda.get_device_name(), "dense": {}, "cudnn": {}, "sparse": {},
@@ -280,7 +292,7 @@ def main() -> None:
         print("   ", results["cudnn"][str(n)])
     for n in args.sparse:
         print(f"sparse {n}")
-        results["sparse"][str(n)] = sparse_prefill_row(n, args.iters if n <= 131072 else 2)
+        results["sparse"][str(n)] = sparse_prefill_row(n, args.iters if n <= 131072 else 2, args.pattern)
         print("   ", results["sparse"][str(n)])
         torch.cuda.empty_cache()
     for n in args.kernel_only:

@@ -9,28 +9,40 @@ harmonics, 16 sinks, 64 heavy hitters, 15 needles: 5 depths x 16 / 64 / 512 seek
 against dense fp32 attention on 32 sampled query blocks (and every needle's seekers), see
 `sparse/accuracy.py`. Cost is the share of the causal 64 x 64 tiles a method computes. MInference is
 the torch re-implementation in `sparse/minference_baseline.py` at its default 1000 / 6096 budget.
-"bands (mixed)" and "bands (greedy)" (not in the default set) are tgserve's index with its block
-diagonals replaced by token-shift bands at the same budget, accuracy models ahead of a kernel
-(`sparse/shifted_bands.py`): bands for isolated peaks only, or everywhere.
+"tgserve + tail" (not in the default set) is tgserve's index with the blocks it skips folded back
+in as one summarised key per query block (`sparse/tail.py`). "bands (mixed)" and "bands (greedy)"
+(not in it either) are tgserve's index with its block diagonals replaced by token-shift bands at
+the same budget, accuracy models ahead of a kernel (`sparse/shifted_bands.py`): bands for isolated
+peaks only, or everywhere.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
 import torch
 
 from tgserve.kernels.sparse import minference_baseline as minference
-from tgserve.kernels.sparse.accuracy import Report, oracle, score
+from tgserve.kernels.sparse.accuracy import Report, TailedMasks, oracle, score
 from tgserve.kernels.sparse.attention import estimate_index
 from tgserve.kernels.sparse.config import HeadPattern
 from tgserve.kernels.sparse.index import index_to_mask
 from tgserve.kernels.sparse.shifted_bands import BandedMasks
 from tgserve.kernels.sparse.synthetic import STRUCTURES, structured_prompt
+from tgserve.kernels.sparse.tail import skipped_tail
 
-METHODS = ["tgserve", "MInference", "block oracle", "bands (mixed)", "bands (greedy)"]
+METHODS = [
+    "tgserve",
+    "MInference",
+    "block oracle",
+    "tgserve + tail",
+    "tgserve + tail (log-normal)",
+    "bands (mixed)",
+    "bands (greedy)",
+]
 
 
 def row(n: int, family: str, method: str, report: Report, tile_share: float) -> str:
@@ -43,9 +55,9 @@ def row(n: int, family: str, method: str, report: Report, tile_share: float) -> 
             f"| {worst:.3f} |")  # fmt: skip
 
 
-def bands_model(prompt, index, mixed: bool) -> tuple[BandedMasks, float]:
+def bands_model(prompt, index, pattern: HeadPattern, mixed: bool) -> tuple[BandedMasks, float]:
     """tgserve's index with its block diagonals as token-shift bands (`sparse/shifted_bands.py`)."""
-    masks = BandedMasks.from_index(prompt.query, prompt.key, prompt.scale, index, HeadPattern(), mixed)
+    masks = BandedMasks.from_index(prompt.query, prompt.key, prompt.scale, index, pattern, mixed)
     return masks, float(masks.tiles_per_block().sum())
 
 
@@ -53,7 +65,7 @@ def compare(n: int, family: str, args: argparse.Namespace) -> list[str]:
     gpu = args.device == "cuda"
     prompt = structured_prompt(n, args.heads, args.kv_heads, 128, args.seed, STRUCTURES[family],
                                torch.bfloat16 if gpu else torch.float32, args.device)  # fmt: skip
-    patterns = [HeadPattern()] * args.heads
+    patterns = [args.pattern] * args.heads
     causal_tiles = args.heads * (n // 64) * (n // 64 + 1) / 2
     index = estimate_index(prompt.query, prompt.key, prompt.scale, patterns, use_triton=gpu)
     per_block = index.tiles_per_block()
@@ -68,8 +80,32 @@ def compare(n: int, family: str, args: argparse.Namespace) -> list[str]:
         if theirs is not None
         else None,
         "block oracle": (oracle(prompt, per_block), float(per_block.sum())),
-        "bands (mixed)": bands_model(prompt, index, True) if "bands (mixed)" in args.methods else None,
-        "bands (greedy)": bands_model(prompt, index, False) if "bands (greedy)" in args.methods else None,
+        "tgserve + tail": (
+            TailedMasks(
+                lambda rows: index_to_mask(index, rows),
+                skipped_tail(prompt.query, prompt.key, prompt.value, index, prompt.scale),
+                index.block,
+            ),
+            float(per_block.sum()),
+        )
+        if "tgserve + tail" in args.methods
+        else None,
+        "tgserve + tail (log-normal)": (
+            TailedMasks(
+                lambda rows: index_to_mask(index, rows),
+                skipped_tail(prompt.query, prompt.key, prompt.value, index, prompt.scale, spread=True),
+                index.block,
+            ),
+            float(per_block.sum()),
+        )
+        if "tgserve + tail (log-normal)" in args.methods
+        else None,
+        "bands (mixed)": bands_model(prompt, index, args.pattern, True)
+        if "bands (mixed)" in args.methods
+        else None,
+        "bands (greedy)": bands_model(prompt, index, args.pattern, False)
+        if "bands (greedy)" in args.methods
+        else None,
     }
     lines = []
     for method in args.methods:
@@ -94,6 +130,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--methods", nargs="*", default=METHODS[:3], choices=METHODS)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--pattern", type=lambda text: HeadPattern(**json.loads(text)), default=HeadPattern(),
+                        help='every head\'s pattern fields, e.g. \'{"vertical": 512}\' (default: the default pattern)')  # fmt: skip
     args = parser.parse_args()
     torch.manual_seed(args.seed)
     lines = ["| tokens | family | method | rel L2 | by quarter | mass | tiles | needles kept | 16-seeker "

@@ -15,8 +15,21 @@ from dataclasses import dataclass
 import torch
 
 from tgserve.kernels.sparse.synthetic import StructuredPrompt
+from tgserve.kernels.sparse.tail import Tail
 
 MaskOfRows = Callable[[slice], torch.Tensor]  # rows -> bool [H, r, n]
+
+
+@dataclass
+class TailedMasks:
+    """A mask source whose skipped blocks come back as the tail's virtual keys (`sparse/tail.py`)."""
+
+    mask_of: MaskOfRows
+    tail: Tail
+    block: int = 64
+
+    def __call__(self, rows: slice) -> torch.Tensor:
+        return self.mask_of(rows)
 
 
 @dataclass
@@ -54,19 +67,28 @@ def score_rows(
     `rows` give it, kept and in all. seekers=False scores only the rows that look for no needle,
     True only those that look for one."""
     end = rows.stop
-    probs, causal = dense_probs(prompt, rows)
+    probs, causal, lse = dense_probs(prompt, rows, with_lse=True)
     v = prompt.value[:end].float().transpose(0, 1)  # [Hkv, m, d]
     heads, r, d = probs.shape[0], probs.shape[1], v.shape[-1]
     group = heads // v.shape[0]
     mask = mask_of(rows)[..., :end]
+    tail = getattr(mask_of, "tail", None)
+    # The tail's virtual key of each row's query block, as a share of the row's dense attention.
+    blocks = torch.arange(rows.start, end, device=probs.device) // getattr(mask_of, "block", 64)
+    tail_share = torch.exp(tail.logit[:, blocks] - lse)[..., None] if tail is not None else None  # [H, r, 1]
     if seekers is not None:
         counted = seeker_rows(prompt, rows).to(probs.device) == seekers
-        probs, mask, causal = probs[:, counted], mask[:, counted], causal[counted]
+        probs, mask, causal, blocks = probs[:, counted], mask[:, counted], causal[counted], blocks[counted]
+        tail_share = tail_share[:, counted] if tail is not None else None
         r = probs.shape[1]
     kept = probs * mask
     dense = (probs.view(v.shape[0], group * r, end) @ v).view(heads, r, d)
     mass = kept.sum(-1, keepdim=True)
-    approx = ((kept / mass.clamp(min=1e-30)).view(v.shape[0], group * r, end) @ v).view(heads, r, d)
+    numerator = (kept.view(v.shape[0], group * r, end) @ v).view(heads, r, d)
+    if tail is not None:
+        numerator = numerator + tail_share * tail.value[:, blocks]
+        mass = mass + tail_share
+    approx = numerator / mass.clamp(min=1e-30)
     score = RowScore(
         err=(approx - dense).double().pow(2).sum().item(),
         ref=dense.double().pow(2).sum().item(),
@@ -83,9 +105,9 @@ def score_rows(
     return score, to_needle
 
 
-def dense_probs(prompt: StructuredPrompt, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+def dense_probs(prompt: StructuredPrompt, rows: slice, with_lse: bool = False) -> tuple[torch.Tensor, ...]:
     """Dense causal softmax attention of `rows` over keys [0, rows.stop), float32 [H, r, stop],
-    and the causal mask [r, stop]."""
+    the causal mask [r, stop], and with_lse each row's natural log-sum-exp of scores [H, r]."""
     q = prompt.query[rows].float().transpose(0, 1)  # [H, r, d]
     end = rows.stop
     k = prompt.key[:end].float().transpose(0, 1)  # [Hkv, m, d]
@@ -96,7 +118,10 @@ def dense_probs(prompt: StructuredPrompt, rows: slice) -> tuple[torch.Tensor, to
     causal = (
         torch.arange(end, device=device)[None, :] <= torch.arange(rows.start, end, device=device)[:, None]
     )
-    return torch.softmax(logits.masked_fill_(~causal, -torch.inf), dim=-1), causal
+    logits.masked_fill_(~causal, -torch.inf)
+    if with_lse:
+        return torch.softmax(logits, dim=-1), causal, torch.logsumexp(logits, dim=-1)
+    return torch.softmax(logits, dim=-1), causal
 
 
 def seeker_rows(prompt: StructuredPrompt, rows: slice) -> torch.Tensor:

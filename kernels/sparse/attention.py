@@ -21,6 +21,7 @@ from tgserve.kernels.sparse.index import (
     num_blocks,
     window_cover,
 )
+from tgserve.kernels.sparse.tail import fold_tail, masked_lse, skipped_tail
 
 
 def _scatter_rows(parts: list[tuple[list[int], torch.Tensor]], rows: int, fill: int) -> torch.Tensor | None:
@@ -130,11 +131,17 @@ def sparse_prefill(
 ) -> torch.Tensor:
     """Causal sparse attention of one fresh prompt [n, heads, d]; returns [n, heads, d]."""
     index = estimate_index(query, key, scale, patterns, block, last_q, use_triton)
+    tail = None
+    if any(p.tail for p in patterns):
+        tail = skipped_tail(query, key, value, index, scale, [p.tail for p in patterns])
     if use_triton:
         from tgserve.kernels.sparse.kernel import sparse_attention_kernel
 
-        return sparse_attention_kernel(query, key, value, index, scale, out=out)
-    result = reference.masked_attention(query, key, value, index_to_mask(index), scale)
+        return sparse_attention_kernel(query, key, value, index, scale, out=out, tail=tail)
+    mask = index_to_mask(index)
+    result = reference.masked_attention(query, key, value, mask, scale)
+    if tail is not None:
+        result = fold_tail(result, masked_lse(query, key, mask, scale), tail, block)
     if out is not None:
         out.copy_(result)
         return out

@@ -38,6 +38,9 @@ class HeadPattern:
     rescue          (estimated kinds) extra key blocks per query block, chosen by the block-mean
                     query against every key, for keys salient only to queries far from the end
                     of the prompt, which last-query estimation cannot see.
+    tail            also attend to the key blocks the pattern skips, each summarised by its mean
+                    key and value, as one extra key per query block (`tail.py`): the attention
+                    spread thinly over a long prompt, which no block choice holds.
     """
 
     kind: str = "vertical_slash"
@@ -47,6 +50,7 @@ class HeadPattern:
     local: int = 128
     blocks: int = 100
     rescue: int = 2
+    tail: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

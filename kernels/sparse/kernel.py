@@ -23,6 +23,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tgserve.kernels.sparse.index import SparseIndex, diagonal_runs
+from tgserve.kernels.sparse.tail import Tail
 from tgserve.kernels.triton_common import attend_tile, dot_precision, interpreting, launch_fitting, pow2
 
 # Pass 2 (diagonal block, listed blocks, columns) at two stages: with three, H200 replays of 128K
@@ -173,16 +174,17 @@ def _walk_kernel(
 @triton.jit(do_not_specialize=(*LENGTH_ARGS, "max_b", "max_c"))
 def _scattered_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, max_ptr, sum_ptr, kc_ptr, vc_ptr, kc_desc, vc_desc, k_desc, v_desc,
-    cover_ptr, cover_cum_ptr, blocks_ptr, block_cnt_ptr, cols_ptr, col_cnt_ptr,
+    cover_ptr, cover_cum_ptr, blocks_ptr, block_cnt_ptr, cols_ptr, col_cnt_ptr, tail_logit_ptr, tail_value_ptr,
     sm_scale, n, num_qb, max_b, max_c,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_st, stride_ch,
     group, head_dim,
     BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr, PRECISION: tl.constexpr,
     EVEN_D: tl.constexpr, DESC: tl.constexpr, COLS: tl.constexpr, CHUNKS: tl.constexpr,
-    BITS: tl.constexpr,
+    BITS: tl.constexpr, TAIL: tl.constexpr,
 ):  # fmt: skip
     """Pass 2: continues from pass 1's partial with the diagonal block (causally masked), the listed
-    key blocks and the gathered columns (COLS a step), and stores the final output."""
+    key blocks, the gathered columns (COLS a step) and, with TAIL, the query block's virtual key
+    for the blocks the pattern skips (`tail.py`), and stores the final output."""
     qb = num_qb - 1 - tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // group
@@ -264,8 +266,25 @@ def _scattered_kernel(
             mask = ok[None, :] & (col[None, :] <= rows[:, None])
             acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k, v, mask, sm_scale, 0.0, False, PRECISION)
 
+    if TAIL:
+        acc, l_i = _fold_tail(
+            acc, m_i, l_i, tail_logit_ptr + hq, tail_value_ptr + hq * head_dim, dims, dim_ok
+        )
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+@triton.jit
+def _fold_tail(acc, m_i, l_i, logit_ptr, value_ptr, dims, dim_ok):
+    """Fold one key shared by every row (logit: natural log, value [BLOCK_D]) into the running
+    state, whose max is in base 2 (`attend_tile`); a logit of -inf adds nothing."""
+    logit = tl.load(logit_ptr) * 1.4426950408889634
+    value = tl.load(value_ptr + dims, mask=dim_ok, other=0.0)
+    m_new = tl.maximum(m_i, logit)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows past the prompt: nothing seen
+    alpha = tl.exp2(m_i - m_safe)
+    weight = tl.exp2(logit - m_safe)
+    return acc * alpha[:, None] + weight[:, None] * value[None, :], l_i * alpha + weight
 
 
 @triton.jit
@@ -355,8 +374,10 @@ def sparse_attention_kernel(
     index: SparseIndex,
     scale: float,
     out: torch.Tensor | None = None,
+    tail: Tail | None = None,
 ) -> torch.Tensor:
-    """Causal attention of one fresh prompt restricted to the index's blocks and columns.
+    """Causal attention of one fresh prompt restricted to the index's blocks and columns, and with
+    `tail` to one virtual key per query block for the blocks the index skips (`tail.py`).
 
     `out` must not overlap query, key or value: the first pass stores its partial output there.
     """
@@ -375,6 +396,8 @@ def sparse_attention_kernel(
     cover_cum = index.diag_cover.to(torch.int32).cumsum(1, dtype=torch.int32)
     # Pass 1's running max and sum per (head, row); its partial output goes to `out` itself.
     state = torch.empty(2, num_heads, num_qb * block, dtype=torch.float32, device=query.device)
+    # Without a tail, pass 2 never reads these: any float32 tensor stands in.
+    tail_logit, tail_value = (tail.logit, tail.value.contiguous()) if tail is not None else (state, state)
     use_desc = _descriptors_apply(key, value)
     k_desc, v_desc = (_token_rows(key, block), _token_rows(value, block)) if use_desc else (key, value)
     common = dict(BLOCK=block, BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=dot_precision(query.dtype),
@@ -405,9 +428,9 @@ def sparse_attention_kernel(
         _scattered_kernel[(num_qb, num_heads)](
             query, key, value, out, state[0], state[1], key_cols, value_cols, kc_desc, vc_desc, k_desc, v_desc,
             index.diag_cover, cover_cum, index.blocks, index.block_count, index.columns, index.column_count,
-            scale, n, num_qb, index.blocks.shape[2], index.columns.shape[1], *strides, key_cols.stride(0),
+            tail_logit, tail_value, scale, n, num_qb, index.blocks.shape[2], index.columns.shape[1], *strides, key_cols.stride(0),
             group, head_dim, BLOCK_B=pow2(index.blocks.shape[2], 1), COLS=cols,
-            CHUNKS=pow2(chunks, 1), BITS=chunks <= CLEAN_BITS_CHUNKS, **common, **launch,
+            CHUNKS=pow2(chunks, 1), BITS=chunks <= CLEAN_BITS_CHUNKS, TAIL=tail is not None, **common, **launch,
         )  # fmt: skip
 
     launch_fitting("sparse walk", query.device, (WALK_LAUNCH, *WALK_FALLBACKS), walk)

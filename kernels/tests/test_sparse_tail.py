@@ -1,0 +1,114 @@
+"""The tail (kernels/sparse/tail.py): the key blocks a sparse pattern skips, folded back in as one
+summarised key per query block, in the torch twin and in the Triton kernel's pass 2."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tgserve.kernels import reference
+from tgserve.kernels.sparse.attention import estimate_index, sparse_prefill
+from tgserve.kernels.sparse.config import HeadPattern
+from tgserve.kernels.sparse.estimate import column_keys, held_blocks
+from tgserve.kernels.sparse.index import index_to_mask
+from tgserve.kernels.sparse.kernel import sparse_attention_kernel
+from tgserve.kernels.sparse.tail import Tail, fold_tail, masked_lse, skipped_tail
+
+# The last-query slashes and top columns, few enough that most blocks are skipped.
+SPARSE = HeadPattern("vertical_slash", vertical=24, slash=32, sink=16, local=16, rescue=1, tail=True)
+
+
+def _causal(n: int) -> torch.Tensor:
+    return torch.ones(n, n, dtype=torch.bool).tril()
+
+
+def _block_uniform(n: int, heads: int, kv_heads: int, dim: int, block: int, seed: int):
+    """Queries equal within each query block, keys and values equal within each key block: a
+    block's mean key, value and query are then every row's, and the tail's estimate is exact."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def blocks(h: int, spread: float) -> torch.Tensor:
+        return (spread * torch.randn(n // block, h, dim, generator=gen)).repeat_interleave(block, 0)
+
+    return blocks(heads, 1.0), blocks(kv_heads, 1.0), blocks(kv_heads, 1.0)
+
+
+def test_tail_gives_dense_attention_where_blocks_are_uniform():
+    """With block-uniform inputs, sparse + tail equals dense attention; without the tail it does not."""
+    n, block, heads, kv_heads, scale = 512, 32, 4, 2, 0.3
+    q, k, v = _block_uniform(n, heads, kv_heads, 16, block, seed=1)
+    dense = reference.masked_attention(q, k, v, _causal(n), scale)
+    with_tail = sparse_prefill(q, k, v, scale, [SPARSE] * heads, block, last_q=block)
+    without = sparse_prefill(
+        q, k, v, scale, [dataclasses.replace(SPARSE, tail=False)] * heads, block, last_q=block
+    )
+    index = estimate_index(q, k, scale, [SPARSE] * heads, block, last_q=block)
+    assert index.density() < 0.6, "the pattern skips blocks"
+    assert (without - dense).abs().max() > 1e-2, "skipping blocks changes the output"
+    assert (with_tail - dense).abs().max() < 1e-5
+
+
+def test_columns_are_taken_out_of_the_tail():
+    """A query block has a tail exactly when some key block before it is skipped (no selected
+    diagonal, not listed) and holds a key that is not one of the head's columns; the sinks' first
+    block, all columns, never counts."""
+    n, block, heads = 256, 16, 2  # the 16 sinks are the first block
+    q, k, v = (torch.randn(n, heads, 16, generator=torch.Generator().manual_seed(s)) for s in (2, 3, 4))
+    index = estimate_index(q, k, 0.25, [SPARSE] * heads, block, last_q=block)
+    tail = skipped_tail(q, k, v, index, 0.25)
+    nq = n // block
+    held = held_blocks(index.diag_cover.bool(), index.blocks)  # [H, Q, Q]
+    columns = column_keys(index.columns, n).view(heads, nq, block)  # [H, key blocks, keys]
+    assert columns[:, 0].all(), "the sinks fill the first block"
+    other_keys = (~columns).any(-1)  # [H, key blocks]
+    before = torch.ones(nq, nq, dtype=torch.bool).tril(-1)
+    expected = (~held & before & other_keys[:, None, :]).any(-1)  # [H, Q]
+    assert expected.any() and not expected.all()
+    assert torch.equal(torch.isfinite(tail.logit), expected)
+
+
+def test_fold_tail_is_one_more_key():
+    """Folding the tail equals attention over the kept keys plus one key of that logit and value."""
+    n, heads, dim, block = 64, 2, 8, 16
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(n, heads, dim, generator=gen) for _ in range(3))
+    mask = _causal(n).expand(heads, n, n)
+    out = reference.masked_attention(q, k, v, mask, 0.5)
+    lse = masked_lse(q, k, mask, 0.5)
+    tail_logit = torch.randn(heads, n // block, generator=gen)
+    tail_value = torch.randn(heads, n // block, dim, generator=gen)
+    folded = fold_tail(out, lse, Tail(tail_logit, tail_value), block)
+    row = 40  # block 2
+    scores = torch.einsum("hd,khd->hk", q[row], k[: row + 1]) * 0.5  # [H, row + 1]
+    scores = torch.cat([scores, tail_logit[:, 2:3]], dim=1)
+    values = torch.cat([v[: row + 1].transpose(0, 1), tail_value[:, 2:3]], dim=1)  # [H, row + 2, d]
+    want = (torch.softmax(scores, -1)[:, None, :] @ values)[:, 0]
+    assert torch.allclose(folded[row], want, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_kernel_folds_the_tail_as_the_twin_does(device, dtype):
+    """Pass 2's last step against fold_tail over the masked reference (n = 150: a ragged last block)."""
+    n, block, heads, kv_heads, scale = 150, 16, 4, 2, 0.2
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(n, h, 32, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads))
+    patterns = [SPARSE, dataclasses.replace(SPARSE, tail=False)] * (heads // 2)
+    index = estimate_index(q, k, scale, patterns, block, last_q=16)
+    tail = skipped_tail(q, k, v, index, scale, [p.tail for p in patterns])
+    mask = index_to_mask(index)
+    want = fold_tail(
+        reference.masked_attention(q, k, v, mask, scale), masked_lse(q, k, mask, scale), tail, block
+    )
+    moved = estimate_index(q.to(device), k.to(device), scale, patterns, block, last_q=16)
+    moved_tail = skipped_tail(
+        q.to(device), k.to(device), v.to(device), moved, scale, [p.tail for p in patterns]
+    )
+    out = sparse_attention_kernel(q.to(device), k.to(device), v.to(device), moved, scale, tail=moved_tail)
+    assert torch.isfinite(out).all()
+    assert (out.cpu().float() - want.float()).abs().max() <= (2e-5 if dtype == torch.float32 else 2e-3)
+    plain = sparse_attention_kernel(q.to(device), k.to(device), v.to(device), moved, scale)
+    assert (plain.cpu().float() - want.float())[:, 1::2].abs().max() <= (
+        2e-5 if dtype == torch.float32 else 2e-3
+    )
