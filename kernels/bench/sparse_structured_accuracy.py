@@ -61,6 +61,12 @@ def bands_model(prompt, index, pattern: HeadPattern, mixed: bool) -> tuple[Bande
     return masks, float(masks.tiles_per_block().sum())
 
 
+def tailed(prompt, index, per_block: torch.Tensor, spread: bool) -> tuple[TailedMasks, float]:
+    """tgserve's index with the blocks it skips folded back in (`sparse/tail.py`), at its cost."""
+    tail = skipped_tail(prompt.query, prompt.key, prompt.value, index, prompt.scale, spread=spread)
+    return TailedMasks(lambda rows: index_to_mask(index, rows), tail, index.block), float(per_block.sum())
+
+
 def compare(n: int, family: str, args: argparse.Namespace) -> list[str]:
     gpu = args.device == "cuda"
     prompt = structured_prompt(n, args.heads, args.kv_heads, 128, args.seed, STRUCTURES[family],
@@ -80,24 +86,10 @@ def compare(n: int, family: str, args: argparse.Namespace) -> list[str]:
         if theirs is not None
         else None,
         "block oracle": (oracle(prompt, per_block), float(per_block.sum())),
-        "tgserve + tail": (
-            TailedMasks(
-                lambda rows: index_to_mask(index, rows),
-                skipped_tail(prompt.query, prompt.key, prompt.value, index, prompt.scale),
-                index.block,
-            ),
-            float(per_block.sum()),
-        )
+        "tgserve + tail": tailed(prompt, index, per_block, spread=False)
         if "tgserve + tail" in args.methods
         else None,
-        "tgserve + tail (log-normal)": (
-            TailedMasks(
-                lambda rows: index_to_mask(index, rows),
-                skipped_tail(prompt.query, prompt.key, prompt.value, index, prompt.scale, spread=True),
-                index.block,
-            ),
-            float(per_block.sum()),
-        )
+        "tgserve + tail (log-normal)": tailed(prompt, index, per_block, spread=True)
         if "tgserve + tail (log-normal)" in args.methods
         else None,
         "bands (mixed)": bands_model(prompt, index, args.pattern, True)

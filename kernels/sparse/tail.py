@@ -48,35 +48,24 @@ class Tail:
     value: torch.Tensor  # float32 [H, Q, D]: the weighted mean of the skipped blocks' mean values
 
 
-def block_sums(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 [Q, heads, d] sums of each block's rows of x [n, heads, d], and [Q, heads] sums of
-    their squared norms (the last block may be partial)."""
-    n = x.shape[0]
-    pad = -n % block
-    padded = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)).view(-1, block, *x.shape[1:])
-    sums = padded.sum(1, dtype=torch.float32)
-    squares = padded.float().pow(2).sum(-1).sum(1)
-    return sums, squares
-
-
-def _without_columns(sums: torch.Tensor, squares: torch.Tensor, x: torch.Tensor, columns: torch.Tensor,
-                     block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Per query head: block sums [G, Q, d], squared-norm sums [G, Q] and key counts [G, Q] of one
-    KV head's keys x [n, d] without the head's columns [G, C] (which pass 2 attends exactly)."""
-    n = x.shape[0]
+def _skippable_sums(
+    key: torch.Tensor, value: torch.Tensor, columns: torch.Tensor, block: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query head of one KV group: each block's sums of [key, |key|^2, value] over its keys
+    that are not the head's columns (which pass 2 attends exactly), float32 [G, Q, 2d + 1], and
+    how many keys those are, [G, Q]. key, value [n, d]; columns [G, C] (< 0 or >= n: none)."""
+    n = key.shape[0]
+    rows = torch.cat([key.float(), key.float().pow(2).sum(-1, keepdim=True), value.float()], dim=-1)
+    sums = torch.nn.functional.pad(rows, (0, 0, 0, -n % block)).view(-1, block, rows.shape[-1]).sum(1)
     nq = sums.shape[0]
     valid = (columns >= 0) & (columns < n)
     at = torch.where(valid, columns.long() // block, nq)  # [G, C]; nq: a dropped slot
-    picked = x[columns.long().clamp(0, n - 1)].float() * valid[..., None]  # [G, C, d]
-    heads = columns.shape[0]
-    removed = torch.zeros(heads, nq + 1, x.shape[-1], device=x.device).scatter_add_(
-        1, at[..., None].expand_as(picked), picked
-    )
-    removed_sq = torch.zeros(heads, nq + 1, device=x.device).scatter_add_(1, at, picked.pow(2).sum(-1))
-    count = torch.zeros(heads, nq + 1, device=x.device).scatter_add_(1, at, valid.float())
-    sizes = torch.full((nq,), float(block), device=x.device)
-    sizes[-1] = n - (nq - 1) * block
-    return sums[None] - removed[:, :nq], squares[None] - removed_sq[:, :nq], sizes[None] - count[:, :nq]
+    picked = rows[columns.long().clamp(0, n - 1)] * valid[..., None]  # [G, C, 2d + 1]
+    removed = torch.zeros(len(columns), nq + 1, rows.shape[-1], device=key.device)
+    removed.scatter_add_(1, at[..., None].expand_as(picked), picked)
+    taken = torch.zeros(len(columns), nq + 1, device=key.device).scatter_add_(1, at, valid.float())
+    sizes = (n - torch.arange(nq, device=key.device) * block).clamp(max=block).float()
+    return sums[None] - removed[:, :nq], sizes[None] - taken[:, :nq]
 
 
 def skipped_tail(
@@ -94,28 +83,25 @@ def skipped_tail(
 
     KV group by group, so that at most one group's [G, Q, Q] scores are held (1 GiB at 512K, G 4).
     """
-    n, heads, dim = query.shape
+    heads, dim = query.shape[1], key.shape[-1]
     block = index.block
     nq = index.diag_cover.shape[1]
     group = heads // key.shape[1]
     q_mean = block_means(query, block)  # [Q, H, d]
-    q_norm = block_means(query.float().pow(2).sum(-1, keepdim=True), block)[..., 0]  # [Q, H]
-    k_sums, k_squares = block_sums(key, block)
-    v_sums, _ = block_sums(value, block)
+    if spread:
+        q_norm = block_means(query.float().pow(2).sum(-1, keepdim=True), block)[..., 0]  # [Q, H]
     i = torch.arange(nq, device=query.device)
     before = i[None, :] < i[:, None]  # key block j strictly before query block b
     logit = torch.full((heads, nq), -math.inf, device=query.device)
     out = torch.zeros(heads, nq, value.shape[-1], device=query.device)
     for kv in range(key.shape[1]):
         rows = slice(kv * group, (kv + 1) * group)
-        columns = index.columns[rows]
-        k_sum, k_sq, count = _without_columns(k_sums[:, kv], k_squares[:, kv], key[:, kv], columns, block)
-        v_sum, _, _ = _without_columns(v_sums[:, kv], k_squares[:, kv], value[:, kv], columns, block)
-        size = count.clamp(min=1)[..., None]
-        k_mean, v_mean = k_sum / size, v_sum / size  # [G, Q, d]
-        key_spread = (k_sq / size[..., 0] - k_mean.pow(2).sum(-1)).clamp(min=0) / dim  # [G, Q]
+        sums, count = _skippable_sums(key[:, kv], value[:, kv], index.columns[rows], block)
+        means = sums / count.clamp(min=1)[..., None]
+        k_mean, v_mean = means[..., :dim], means[..., dim + 1 :]  # [G, Q, d]
         scores = (q_mean[:, rows].transpose(0, 1) @ k_mean.transpose(1, 2)) * scale  # [G, Q, Q]
         if spread:
+            key_spread = (means[..., dim] - k_mean.pow(2).sum(-1)).clamp(min=0) / dim  # [G, Q]
             scores += 0.5 * scale**2 * q_norm[:, rows].t()[:, :, None] * key_spread[:, None, :]
         scores += torch.log(count)[:, None, :]  # -inf where the columns are the whole block
         held = held_blocks(index.diag_cover[rows].bool(), index.blocks[rows])
