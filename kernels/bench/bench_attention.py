@@ -123,7 +123,7 @@ def _sparse_setup(n: int, pattern: dict | None = None):
     from tgserve.kernels.sparse.attention import estimate_index
     from tgserve.kernels.sparse.config import SparseConfig, parse_sparse_config
     from tgserve.kernels.sparse.synthetic import planted_prompt
-    from tgserve.kernels.sparse.tail import skipped_tail
+    from tgserve.kernels.sparse.tail_kernel import skipped_tail_triton
 
     config = parse_sparse_config({"default": pattern}) if pattern else SparseConfig()
     patterns = config.head_patterns(0, HEADS)
@@ -136,7 +136,7 @@ def _sparse_setup(n: int, pattern: dict | None = None):
         )
         if not any(x.tail for x in patterns):
             return index, None
-        return index, skipped_tail(p.query, p.key, p.value, index, p.scale, [x.tail for x in patterns])
+        return index, skipped_tail_triton(p.query, p.key, p.value, index, p.scale, [x.tail for x in patterns])
 
     return p, estimate
 

@@ -33,6 +33,7 @@ from tgserve.kernels.sparse.index import index_to_mask
 from tgserve.kernels.sparse.shifted_bands import BandedMasks
 from tgserve.kernels.sparse.synthetic import STRUCTURES, structured_prompt
 from tgserve.kernels.sparse.tail import skipped_tail
+from tgserve.kernels.sparse.tail_kernel import skipped_tail_triton
 
 METHODS = [
     "tgserve",
@@ -63,7 +64,10 @@ def bands_model(prompt, index, pattern: HeadPattern, mixed: bool) -> tuple[Bande
 
 def tailed(prompt, index, per_block: torch.Tensor, spread: bool) -> tuple[TailedMasks, float]:
     """tgserve's index with the blocks it skips folded back in (`sparse/tail.py`), at its cost."""
-    tail = skipped_tail(prompt.query, prompt.key, prompt.value, index, prompt.scale, spread=spread)
+    on_gpu = prompt.query.is_cuda  # the Triton tail there, as sparse_prefill runs it
+    tail = (skipped_tail_triton if on_gpu else skipped_tail)(
+        prompt.query, prompt.key, prompt.value, index, prompt.scale, spread=spread
+    )
     return TailedMasks(lambda rows: index_to_mask(index, rows), tail, index.block), float(per_block.sum())
 
 

@@ -7,7 +7,8 @@ lastq      Triton last-query statistics: vertical and block-diagonal scores, all
 pooled     Triton rescue blocks: block-mean query x every key, max-pooled, top-k fused
 index      SparseIndex: block diagonals + listed blocks + columns, and its exact element mask
 kernel     Triton sparse attention over a SparseIndex
-tail       the blocks a pattern skips, summarised as one extra key per query block (opt-in)
+tail       the blocks a pattern skips, summarised as one extra key per query block (opt-in; twin)
+tail_kernel  Triton tail: the same summaries streamed, nothing quadratic held
 attention  estimate + attend for one prompt, with a torch twin of the whole path
 
 Measurement: synthetic (planted and structured prompts), accuracy (sampled scoring, block

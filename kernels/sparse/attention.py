@@ -133,7 +133,11 @@ def sparse_prefill(
     index = estimate_index(query, key, scale, patterns, block, last_q, use_triton)
     tail = None
     if any(p.tail for p in patterns):
-        tail = skipped_tail(query, key, value, index, scale, [p.tail for p in patterns])
+        if use_triton:
+            from tgserve.kernels.sparse.tail_kernel import skipped_tail_triton as skipped_tail_of
+        else:
+            skipped_tail_of = skipped_tail
+        tail = skipped_tail_of(query, key, value, index, scale, [p.tail for p in patterns])
     if use_triton:
         from tgserve.kernels.sparse.kernel import sparse_attention_kernel
 

@@ -22,11 +22,11 @@ value = the weighted mean of the v_j. A query head's columns (sinks, vertical li
 pass 2 attends exactly, are taken out of its blocks' sums first: c_j is the block's key count
 without them, and a block of columns alone (the sinks' first block) adds nothing.
 
-Cost: a [Q, Q] product per head of block means (1/4096 of dense attention's scores at block 64),
-done here in torch ops; the kernel folds one key per row at the end of pass 2. Memory: a KV
-group's [G, Q, Q] float32 scores and weights at a time (1 GiB each at 512K with G = 4, 4 GiB at
-1M), which the whole-prompt memory profile does not count yet: a Triton version would stream them
-as flash attention does its scores.
+Cost: a [Q, Q] product per head of block means (1/4096 of dense attention's scores at block 64);
+the sparse kernel folds one key per row at the end of pass 2. On the GPU `tail_kernel.py` streams
+the block scores as flash attention does its scores (float32 [H, Q, d] block means and output,
+1 GiB at 1M tokens of 32 heads); this module's torch version, the twin, holds a KV group's
+[G, Q, Q] float32 scores and weights at a time (1 GiB each at 512K with G = 4).
 """
 
 from __future__ import annotations
@@ -48,24 +48,47 @@ class Tail:
     value: torch.Tensor  # float32 [H, Q, D]: the weighted mean of the skipped blocks' mean values
 
 
-def _skippable_sums(
-    key: torch.Tensor, value: torch.Tensor, columns: torch.Tensor, block: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per query head of one KV group: each block's sums of [key, |key|^2, value] over its keys
-    that are not the head's columns (which pass 2 attends exactly), float32 [G, Q, 2d + 1], and
-    how many keys those are, [G, Q]. key, value [n, d]; columns [G, C] (< 0 or >= n: none)."""
-    n = key.shape[0]
-    rows = torch.cat([key.float(), key.float().pow(2).sum(-1, keepdim=True), value.float()], dim=-1)
-    sums = torch.nn.functional.pad(rows, (0, 0, 0, -n % block)).view(-1, block, rows.shape[-1]).sum(1)
-    nq = sums.shape[0]
+@dataclass
+class BlockSummaries:
+    """Per query head of one KV group, each key block's keys less the head's columns, summarised."""
+
+    key: torch.Tensor  # float32 [G, Q, d]: their mean key
+    value: torch.Tensor  # float32 [G, Q, d]: their mean value
+    log_count: torch.Tensor  # float32 [G, Q]: log of how many they are; -inf where none
+    spread: torch.Tensor | None  # float32 [G, Q]: their keys' per-dimension variance (with spread)
+
+
+def block_summaries(
+    key: torch.Tensor, value: torch.Tensor, columns: torch.Tensor, block: int, spread: bool = False
+) -> BlockSummaries:
+    """The summaries of one KV group's key blocks for each of its query heads, less that head's
+    columns (which pass 2 attends exactly). key, value [n, d]; columns [G, C] (< 0 or >= n: none).
+
+    Block sums come from `block_means` (float32 sums straight from the input dtype): no float32
+    copy of the keys, which at 1M tokens would be 512 MiB a KV head.
+    """
+    n, dim = key.shape
+    nq = -(-n // block)
+    sizes = (n - torch.arange(nq, device=key.device) * block).clamp(max=block).float()
+    parts = [key, value]
+    if spread:
+        squares = torch.linalg.vector_norm(key, dim=-1, keepdim=True, dtype=torch.float32).pow(2)
+        parts.append(squares)
+    sums = torch.cat([block_means(x, block) for x in parts], dim=-1) * sizes[:, None]  # [Q, 2d (+1)]
     valid = (columns >= 0) & (columns < n)
     at = torch.where(valid, columns.long() // block, nq)  # [G, C]; nq: a dropped slot
-    picked = rows[columns.long().clamp(0, n - 1)] * valid[..., None]  # [G, C, 2d + 1]
-    removed = torch.zeros(len(columns), nq + 1, rows.shape[-1], device=key.device)
+    taken = columns.long().clamp(0, n - 1)
+    picked = torch.cat([x[taken].float() for x in parts], dim=-1) * valid[..., None]  # [G, C, 2d (+1)]
+    removed = torch.zeros(len(columns), nq + 1, sums.shape[-1], device=key.device)
     removed.scatter_add_(1, at[..., None].expand_as(picked), picked)
-    taken = torch.zeros(len(columns), nq + 1, device=key.device).scatter_add_(1, at, valid.float())
-    sizes = (n - torch.arange(nq, device=key.device) * block).clamp(max=block).float()
-    return sums[None] - removed[:, :nq], sizes[None] - taken[:, :nq]
+    gone = torch.zeros(len(columns), nq + 1, device=key.device).scatter_add_(1, at, valid.float())
+    count = sizes[None] - gone[:, :nq]  # [G, Q]
+    means = (sums[None] - removed[:, :nq]) / count.clamp(min=1)[..., None]
+    k_mean = means[..., :dim]
+    key_spread = None
+    if spread:
+        key_spread = (means[..., 2 * dim] - k_mean.pow(2).sum(-1)).clamp(min=0) / dim
+    return BlockSummaries(k_mean, means[..., dim : 2 * dim], torch.log(count), key_spread)
 
 
 def skipped_tail(
@@ -81,9 +104,10 @@ def skipped_tail(
     the head's columns, for the query heads `enabled` (all by default; the others get none:
     logit -inf); `spread` adds the log-normal correction (see the module's note).
 
-    KV group by group, so that at most one group's [G, Q, Q] scores are held (1 GiB at 512K, G 4).
+    The torch twin of `tail_kernel.skipped_tail_triton`. KV group by group, so that at most one
+    group's [G, Q, Q] scores are held (1 GiB at 512K, G 4).
     """
-    heads, dim = query.shape[1], key.shape[-1]
+    heads = query.shape[1]
     block = index.block
     nq = index.diag_cover.shape[1]
     group = heads // key.shape[1]
@@ -96,20 +120,17 @@ def skipped_tail(
     out = torch.zeros(heads, nq, value.shape[-1], device=query.device)
     for kv in range(key.shape[1]):
         rows = slice(kv * group, (kv + 1) * group)
-        sums, count = _skippable_sums(key[:, kv], value[:, kv], index.columns[rows], block)
-        means = sums / count.clamp(min=1)[..., None]
-        k_mean, v_mean = means[..., :dim], means[..., dim + 1 :]  # [G, Q, d]
-        scores = (q_mean[:, rows].transpose(0, 1) @ k_mean.transpose(1, 2)) * scale  # [G, Q, Q]
+        summary = block_summaries(key[:, kv], value[:, kv], index.columns[rows], block, spread)
+        scores = (q_mean[:, rows].transpose(0, 1) @ summary.key.transpose(1, 2)) * scale  # [G, Q, Q]
         if spread:
-            key_spread = (means[..., dim] - k_mean.pow(2).sum(-1)).clamp(min=0) / dim  # [G, Q]
-            scores += 0.5 * scale**2 * q_norm[:, rows].t()[:, :, None] * key_spread[:, None, :]
-        scores += torch.log(count)[:, None, :]  # -inf where the columns are the whole block
+            scores += 0.5 * scale**2 * q_norm[:, rows].t()[:, :, None] * summary.spread[:, None, :]
+        scores += summary.log_count[:, None, :]  # -inf where the columns are the whole block
         held = held_blocks(index.diag_cover[rows].bool(), index.blocks[rows])
         scores.masked_fill_(held | ~before, -math.inf)
         top = scores.amax(-1, keepdim=True)
         weight = torch.exp(scores - top.clamp(min=-1e30))  # rows with nothing skipped: all zero
         total = weight.sum(-1)
-        out[rows] = (weight @ v_mean) / total.clamp(min=1e-30)[..., None]
+        out[rows] = (weight @ summary.value) / total.clamp(min=1e-30)[..., None]
         logit[rows] = torch.where(total > 0, top[..., 0] + torch.log(total.clamp(min=1e-30)), -math.inf)
     if enabled is not None and not all(enabled):
         off = torch.tensor([not on for on in enabled], device=query.device)
