@@ -15,6 +15,7 @@ TRITON_INTERPRET before the first @triton.jit, stays unaffected).
     fresh_prefill     prompts with no cached prefix: dense (library kernel) or sparse when long
     rms_norm, fused_add_rms_norm, rotary, silu_and_mul
                       a decoder layer's elementwise glue, one fused kernel each on CUDA
+    fused_moe         a mixture-of-experts layer's experts: two grouped GEMMs on CUDA (moe.py)
     linear            a projection: cuBLAS, or for one row and a small weight the skinny kernel;
                       fp8 weights (--quantize fp8) through fp8.fp8_linear
     argmax            greedy decoding's pick per row (two short launches instead of torch's one
@@ -390,6 +391,18 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
         return triton_silu_and_mul(gate_up)
     return reference.silu_and_mul(gate_up)
+
+
+def fused_moe(
+    x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """The routed experts' SwiGLU outputs of x [T, H], weighted and summed per token: w_gate_up
+    [E, 2I, H], w_down [E, H, I], routing weights [T, k] and expert ids [T, k] (`moe_routing.route`)."""
+    if use_triton(x):
+        from tgserve.kernels.moe import fused_moe_triton
+
+        return fused_moe_triton(x, w_gate_up, w_down, weights, ids)
+    return reference.fused_moe(x, w_gate_up, w_down, weights, ids)
 
 
 # One row through a weight of at most this many output rows (any input width): where cuBLAS splits K

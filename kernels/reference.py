@@ -376,6 +376,21 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def fused_moe(
+    x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """[T, H]: for each token, the sum over its chosen experts e (ids [T, k]) of weights[t, slot] x
+    down_e(silu(gate_e x) * up_e x), with w_gate_up [E, 2I, H] and w_down [E, H, I]. Expert by expert
+    over the rows that chose it, added in expert order (as transformers' MoE blocks do)."""
+    out = torch.zeros_like(x)
+    for expert in ids.unique().tolist():
+        token, slot = torch.where(ids == expert)
+        hidden = silu_and_mul(F.linear(x[token], w_gate_up[expert]))
+        down = F.linear(hidden, w_down[expert]) * weights[token, slot, None]
+        out.index_add_(0, token, down.to(out.dtype))
+    return out
+
+
 # ---- sparse patterns as element-level masks (what MInference's patterns mean, before blocking) ----
 
 

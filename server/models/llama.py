@@ -6,7 +6,7 @@ Qwen3 normalises queries and keys per head, Mistral's window comes through the K
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -30,10 +30,11 @@ from tgserve.server.models.parallel_layers import (
 def _family_flags(config: Any) -> dict[str, bool]:
     model_type = config.model_type
     attention_bias = bool(getattr(config, "attention_bias", False))
+    qwen2 = model_type in ("qwen2", "qwen2_moe")
     return {
-        "qkv_bias": True if model_type == "qwen2" else attention_bias,
-        "o_bias": False if model_type == "qwen2" else attention_bias,
-        "qk_norm": model_type == "qwen3",
+        "qkv_bias": bool(getattr(config, "qkv_bias", True)) if qwen2 else attention_bias,
+        "o_bias": False if qwen2 else attention_bias,
+        "qk_norm": model_type in ("qwen3", "qwen3_moe"),
         "mlp_bias": bool(getattr(config, "mlp_bias", False)),
     }
 
@@ -127,10 +128,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, intermediate_size: int | None = None) -> None:
+        """intermediate_size: where not the config's (a mixture of experts' shared expert)."""
         super().__init__()
         bias = _family_flags(config)["mlp_bias"]
-        full = config.intermediate_size
+        full = intermediate_size or config.intermediate_size
         self.intermediate = tensor_parallel().divide(full, "intermediate size")  # this shard's
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [full, full], bias)
         self.down_proj = RowParallelLinear(full, config.hidden_size, bias)
@@ -154,10 +156,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_idx: int, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self, config: Any, layer_idx: int, rotary: RotaryEmbedding, mlp: nn.Module | None = None
+    ) -> None:
+        """mlp: the layer's feed-forward block where it is not Llama's (a mixture of experts)."""
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_idx, rotary)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config) if mlp is None else mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -186,12 +191,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, mlp_of: Callable[[Any, int], nn.Module | None] | None = None) -> None:
+        """mlp_of(config, layer index): a layer's own feed-forward block, or None for Llama's."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         rotary = RotaryEmbedding(config, head_dim(config))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, rotary) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, rotary, mlp_of(config, i) if mlp_of else None)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -216,6 +223,8 @@ class LlamaForCausalLM(nn.Module):
     checkpoint, `qkv_proj` and `gate_up_proj`, split on load)."""
 
     supports_tensor_parallel = True
+    # A subclass's feed-forward block per layer (mixtures of experts); None: Llama's MLP everywhere.
+    mlp_of: Callable[[Any, int], nn.Module | None] | None = None
 
     @staticmethod
     def serves(config: Any) -> bool:
@@ -229,7 +238,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = LlamaModel(config, type(self).mlp_of)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
@@ -250,10 +259,13 @@ class LlamaForCausalLM(nn.Module):
         load_fused_weights(self, weights)
 
 
-def load_fused_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+def load_fused_weights(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], placed_elsewhere: Iterable[str] = ()
+) -> None:
     """A checkpoint's weights into a model of the llama family's fused projections (`qkv_proj`,
     `gate_up_proj`: its `model.layers[i].self_attn` has `q_size` and `kv_size` per shard), the LM
-    head left out where the embeddings are tied; any missing or misplaced weight named."""
+    head left out where the embeddings are tied; any missing or misplaced weight named.
+    placed_elsewhere: parameters the caller fills itself (from `weights` as they pass) and checks."""
     attn, config = model.model.layers[0].self_attn, model.config
     loader = FusedWeightLoader(
         model,
@@ -272,6 +284,7 @@ def load_fused_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
     tied = model.tie_word_embeddings
     weights = _unfused(weights, attn, config.intermediate_size)
     loader.load((n, t) for n, t in weights if not (tied and n == "lm_head.weight"))
+    loader.loaded.update(placed_elsewhere)
     loader.check_complete()
 
 

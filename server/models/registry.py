@@ -19,6 +19,9 @@ NATIVE_MODELS: dict[str, tuple[str, str]] = {
     "Gemma2ForCausalLM": ("gemma", "GemmaForCausalLM"),
     "Gemma3ForCausalLM": ("gemma", "GemmaForCausalLM"),  # Gemma 3's text model
     "GPTBigCodeForCausalLM": ("gpt_bigcode", "GPTBigCodeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("moe", "MoEForCausalLM"),
+    "Qwen2MoeForCausalLM": ("moe", "MoEForCausalLM"),
+    "MixtralForCausalLM": ("moe", "MoEForCausalLM"),
 }
 
 

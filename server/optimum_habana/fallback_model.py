@@ -24,13 +24,16 @@ from tgserve.server.models.registry import architecture_name, native_model_class
 def fallback_needed(config: Any, device: torch.device | str) -> bool:
     """True when `config`'s model must be served through optimum-habana on `device`.
 
-    That is on an hpu device, for every architecture without a native tgserve implementation: the
-    native families run on the paged hpu backend through `LLMEngine`; everything else goes to
-    `StaticBatchEngine`. Off a Gaudi, never (the transformers fallback serves those architectures).
+    That is on an hpu device, for every architecture without a native tgserve implementation, or
+    whose implementation does not run there (`runs_on_hpu` False: the mixtures of experts, whose
+    routing decides per step which expert weights are read, which a recorded HPU graph cannot
+    follow; optimum-habana has Gaudi MoE ops for them): the native families run on the paged hpu
+    backend through `LLMEngine`; everything else goes to `StaticBatchEngine`. Off a Gaudi, never (the transformers fallback serves those architectures).
     """
-    return (
-        torch.device(device).type == "hpu" and native_model_class(architecture_name(config), config) is None
-    )
+    if torch.device(device).type != "hpu":
+        return False
+    native = native_model_class(architecture_name(config), config)
+    return native is None or not getattr(native, "runs_on_hpu", True)
 
 
 def load_fallback_model(

@@ -15,6 +15,7 @@ import transformers
 from tgserve.server.engine.llm import LLM
 from tgserve.server.models.gemma import GemmaForCausalLM
 from tgserve.server.models.llama import LlamaForCausalLM
+from tgserve.server.models.moe import MoEForCausalLM
 from tgserve.server.models.registry import native_model_class
 from tgserve.server.protocol.params import SamplingParams
 from tgserve.server.testing.arch_sweep import saved_tiny_model
@@ -62,6 +63,15 @@ def engine_tokens(directory: Path, native: type) -> list[tuple[list[int], list[f
          {"sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"], "rope_parameters": {
              "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
              "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000.0}}}),
+        # Mixtures of experts: more experts than a step's rows choose, two a token; a dense layer
+        # among sparse ones (Qwen's mlp_only_layers), renormalised weights or not, a shared expert.
+        ("qwen3_moe", "Qwen3MoeForCausalLM", MoEForCausalLM,
+         {"num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True, "num_hidden_layers": 3,
+          "mlp_only_layers": [1]}),
+        ("qwen2_moe", "Qwen2MoeForCausalLM", MoEForCausalLM,
+         {"num_experts": 6, "num_experts_per_tok": 2, "norm_topk_prob": False, "decoder_sparse_step": 1}),
+        ("mixtral", "MixtralForCausalLM", MoEForCausalLM,
+         {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 6}),
     ],
 )  # fmt: skip
 def test_a_native_family_gives_transformers_tokens(tmp_path, model_type, architecture, native, overrides):

@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 import torch
+import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from tgserve.server.config.buckets import BucketConfig
@@ -323,6 +324,8 @@ def test_fallback_is_for_gaudi_architectures_without_a_native_implementation() -
     assert fallback_needed(gpt2, "hpu") and fallback_needed(gpt2, torch.device("hpu"))
     assert not fallback_needed(llama, "hpu")  # native: the paged hpu backend serves it
     assert not fallback_needed(gpt2, "cpu") and not fallback_needed(gpt2, "cuda")
+    mixtral = transformers.MixtralConfig(architectures=["MixtralForCausalLM"])  # native on CUDA and CPU only
+    assert fallback_needed(mixtral, "hpu") and not fallback_needed(mixtral, "cuda")
     # build_engine's choice reads the description once and hands it on (no Gaudi is touched here)
     on_hpu = load_model_description(EngineArgs(model=str(fixture_path("gpt2")), device="hpu"))
     assert fallback_needed(on_hpu.config, on_hpu.device)

@@ -1,6 +1,6 @@
 """Tensor-parallel native models on CPU: two shards (two processes, gloo) compute the logits of the
 unsharded model, for untied (llama) and tied, per-head-normed (qwen3) fixtures, Gemma 2 and Phi-3
-(its fused checkpoint projections split per shard)."""
+(its fused checkpoint projections split per shard), and mixtures of experts."""
 
 from __future__ import annotations
 
@@ -93,6 +93,23 @@ def test_two_shards_of_gemma3_compute_the_unsharded_logits(tmp_path) -> None:
     expected = prompt_logits(str(tmp_path))
     for logits in sharded_logits(str(tmp_path)).values():
         torch.testing.assert_close(logits, expected, atol=5e-4, rtol=5e-4)  # as Gemma 2's, four norms a layer
+
+
+@pytest.mark.parametrize(
+    "model_type,architecture,overrides",
+    [("qwen2_moe", "Qwen2MoeForCausalLM", {"num_experts": 6, "num_experts_per_tok": 2, "decoder_sparse_step": 1}),
+     ("mixtral", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2})],
+)  # fmt: skip
+def test_two_shards_of_a_mixture_of_experts_compute_the_unsharded_logits(
+    tmp_path, model_type: str, architecture: str, overrides: dict
+) -> None:
+    """Each shard holds every expert's half of the intermediate size (and half the shared expert's)."""
+    from tgserve.server.testing.arch_sweep import saved_tiny_model
+
+    saved_tiny_model(model_type, architecture, tmp_path, **overrides)
+    expected = prompt_logits(str(tmp_path))
+    for logits in sharded_logits(str(tmp_path)).values():
+        torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("source", ["--quantize fp8", "fp8 checkpoint"])

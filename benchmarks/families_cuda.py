@@ -1,0 +1,184 @@
+"""GPU benchmark (issue 38): native families at their real shapes beside their weight-read floors.
+
+Random weights (`load_format="dummy"`), bf16, CUDA graphs, each family's real layer shapes with
+fewer layers (--layers, default 8) so that every model fits and loads in seconds. Per family:
+  batch-1 decode: ms per output token (512-token prompt, 128 new tokens), and the floor: the bytes a
+    token reads (every layer weight; of a mixture of experts only the k experts a token chooses;
+    the LM head) over the device's copy bandwidth measured in the same run;
+  --concurrent N (default 256): N requests of 512 prompt + 128 new tokens at once, output tokens/s,
+    and that rate times the parameters a token uses (the per-parameter rate, comparable between
+    dense and sparse models).
+Each family runs in its own process. JSON lines, then a Markdown table.
+
+    python benchmarks/families_cuda.py [--families qwen3-8b qwen3-30b-a3b ...] [--layers 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_cuda import prompts, run_engine  # noqa: E402
+
+from tgserve.server.config.engine_args import EngineArgs  # noqa: E402
+from tgserve.server.core.heap import freeze_startup_heap  # noqa: E402
+from tgserve.server.engine.llm_engine import LLMEngine  # noqa: E402
+
+_QWEN3 = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936, num_attention_heads=32,
+              num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0, hidden_act="silu",
+              max_position_embeddings=40960, tie_word_embeddings=False)  # fmt: skip
+FAMILIES: dict[str, dict] = {
+    "qwen3-8b": {**_QWEN3, "hidden_size": 4096, "intermediate_size": 12288},
+    "qwen3-30b-a3b": {**_QWEN3, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
+                      "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+                      "num_attention_heads": 32, "num_key_value_heads": 4, "num_experts": 128,
+                      "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                      "mlp_only_layers": []},
+    "mixtral-8x7b": dict(model_type="mixtral", architectures=["MixtralForCausalLM"], vocab_size=32000,
+                         hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                         num_local_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-5, rope_theta=1000000.0,
+                         hidden_act="silu", max_position_embeddings=32768, sliding_window=None,
+                         tie_word_embeddings=False),
+    "phi-3-mini": dict(model_type="phi3", architectures=["Phi3ForCausalLM"], vocab_size=32064, hidden_size=3072,
+                       intermediate_size=8192, num_attention_heads=32, num_key_value_heads=32, rms_norm_eps=1e-5,
+                       rope_theta=10000.0, hidden_act="silu", max_position_embeddings=4096,
+                       original_max_position_embeddings=4096, sliding_window=2047, tie_word_embeddings=False),
+    "gemma-2-9b": dict(model_type="gemma2", architectures=["Gemma2ForCausalLM"], vocab_size=256000,
+                       hidden_size=3584, intermediate_size=14336, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=256, query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
+                       final_logit_softcapping=30.0, sliding_window=4096, rms_norm_eps=1e-6, rope_theta=10000.0,
+                       hidden_activation="gelu_pytorch_tanh", hidden_act="gelu_pytorch_tanh",
+                       max_position_embeddings=8192, tie_word_embeddings=True),
+}  # fmt: skip
+
+
+def model_dir(root: Path, family: str, layers: int) -> Path:
+    from tgserve.server.testing.tiny_tokenizer import save_fast_tokenizer
+
+    directory = root / family
+    directory.mkdir(parents=True, exist_ok=True)
+    config = {**FAMILIES[family], "num_hidden_layers": layers, "bos_token_id": 1, "eos_token_id": 2,
+              "torch_dtype": "bfloat16"}  # fmt: skip
+    (directory / "config.json").write_text(json.dumps(config))
+    save_fast_tokenizer(directory)
+    return directory
+
+
+def bytes_a_token(model: torch.nn.Module) -> tuple[int, int]:
+    """(bytes a decode token reads, parameters it uses): every weight but the input embeddings
+    (one row read), of stacked experts the share the router picks, the LM head (tied or not)."""
+    from tgserve.server.models.moe import ExpertWeights, SparseMoE
+
+    share = {
+        id(m.experts): m.top_k / m.experts.w_down.shape[0]
+        for m in model.modules()
+        if isinstance(m, SparseMoE)
+    }
+    read = used = 0
+    embed = model.model.embed_tokens.weight
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            if param is embed:
+                continue
+            fraction = share.get(id(module), 1.0) if isinstance(module, ExpertWeights) else 1.0
+            read += int(param.numel() * param.element_size() * fraction)
+            used += int(param.numel() * fraction)
+    if getattr(model, "tie_word_embeddings", False):
+        read, used = read + embed.numel() * embed.element_size(), used + embed.numel()
+    return read, used
+
+
+def copy_bandwidth() -> float:
+    """Bytes a second of a device-to-device copy (read + write) of 4 GiB, best of 5."""
+    src = torch.empty(1 << 31, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.numel() * src.element_size() / best
+
+
+def measure(family: str, layers: int, concurrent: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        engine = LLMEngine(
+            EngineArgs(
+                model=str(model_dir(Path(tmp), family, layers)),
+                load_format="dummy",
+                max_model_len=4096,
+                max_num_seqs=max(concurrent, 1),
+                gpu_memory_utilization=0.85,
+            )  # fmt: skip
+        )
+        freeze_startup_heap("families benchmark")
+        read, used = bytes_a_token(engine.shard.forward.model)
+        bandwidth = copy_bandwidth()
+        vocab = engine.vocab_size
+        run_engine(engine, prompts(2, 64, vocab, seed=9), 8)  # warm-up
+        one = run_engine(engine, prompts(1, 512, vocab), 128)
+        ms = (one["total_s"] - one["prefill_s"]) / 127 * 1e3
+        row = {"family": family, "layers": layers, "batch1_ms": ms, "floor_ms": read / bandwidth * 1e3,
+               "bytes_a_token_gib": read / 2**30, "params_a_token_b": used / 1e9,
+               "copy_tb_s": bandwidth / 1e12}  # fmt: skip
+        if concurrent:
+            many = run_engine(engine, prompts(concurrent, 512, vocab, seed=1), 128)
+            rate = many["output_tokens"] / many["total_s"]
+            row |= {"concurrent": concurrent, "tokens_s": rate, "total_s": many["total_s"],
+                    "decode_step_ms": many["decode_step_s"] * 1e3, "param_tokens_s_t": rate * used / 1e12}  # fmt: skip
+        return row
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| family | layers | batch-1 ms/token | floor ms | ratio | params/token (B) | N | tokens/s | "
+             "tokens/s x params (T) |", "|---" * 9 + "|"]  # fmt: skip
+    for r in rows:
+        lines.append(f"| {r['family']} | {r['layers']} | {r['batch1_ms']:.3f} | {r['floor_ms']:.3f} | "
+                     f"{r['batch1_ms'] / r['floor_ms']:.2f} | {r['params_a_token_b']:.2f} | {r.get('concurrent', '-')} | "
+                     f"{r.get('tokens_s', float('nan')):.0f} | {r.get('param_tokens_s_t', float('nan')):.2f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--concurrent", type=int, default=256)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(measure(args.one, args.layers, args.concurrent)), flush=True)
+        return
+    rows = []
+    for family in args.families:
+        command = [sys.executable, __file__, "--one", family, "--layers", str(args.layers),
+                   "--concurrent", str(args.concurrent)]  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        if done.returncode or not lines:
+            print(f"{family}: failed\n{done.stderr[-3000:]}", flush=True)
+            continue
+        rows.append(json.loads(lines[-1]))
+        print(lines[-1], flush=True)
+    print(table(rows))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "families.json").write_text(json.dumps(rows, indent=1))
+        (args.out / "families.md").write_text(table(rows) + "\n")
+
+
+if __name__ == "__main__":
+    main()

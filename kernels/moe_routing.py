@@ -1,0 +1,62 @@
+"""Mixture-of-experts routing and the grouping of a step's rows by expert (torch, any device).
+
+`route` is the router of Mixtral and the Qwen MoE models: softmax over every expert in float32,
+the top k, optionally renormalised to sum to one. `expert_blocks` lays the step's (token, slot)
+assignments out expert by expert in blocks of `block_m` rows, so that each block of the grouped
+GEMMs (`moe.py`) reads one expert's weights; only experts some row chose get blocks. Every shape
+depends on the step's row count alone (no host sync, nothing data-dependent), so a decode step
+can be recorded in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights float32 [T, k], expert ids int64 [T, k]) of router logits [T, E]."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+@dataclass
+class ExpertBlocks:
+    """A step's assignments grouped by expert: block b holds rows[b * block_m : (b + 1) * block_m]
+    (assignment t * k + slot, -1 = padding), all of expert block_expert[b] (-1: an unused block)."""
+
+    rows: torch.Tensor  # int32 [num_blocks * block_m]
+    block_expert: torch.Tensor  # int32 [num_blocks]
+    block_m: int
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_expert.shape[0]
+
+
+def expert_blocks(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
+    """Group the assignments of ids [T, k] by expert, each expert's padded to whole blocks.
+
+    At most A + E * (block_m - 1) rows for A = T * k assignments: that bound sizes the layout, so
+    its shape is fixed by T alone."""
+    flat = ids.flatten()
+    count = flat.numel()
+    device = ids.device
+    per_expert = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    per_expert.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (per_expert + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)  # assignments, expert by expert
+    expert_of = flat[order]
+    rank = torch.arange(count, device=device) - (torch.cumsum(per_expert, 0) - per_expert)[expert_of]
+    num_blocks = -(-(count + num_experts * (block_m - 1)) // block_m)
+    rows = torch.full((num_blocks * block_m,), -1, dtype=torch.int32, device=device)
+    rows[(padded_end - padded)[expert_of] + rank] = order.to(torch.int32)
+    starts = torch.arange(num_blocks, device=device) * block_m
+    block_expert = torch.searchsorted(padded_end, starts, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return ExpertBlocks(rows=rows, block_expert=block_expert, block_m=block_m)

@@ -1,0 +1,78 @@
+"""Mixture-of-experts kernels (kernels/moe.py) against their twin, and the grouping by expert."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tgserve.kernels import reference
+from tgserve.kernels.moe import fused_moe_triton
+from tgserve.kernels.moe_routing import expert_blocks, route
+
+
+def _layer(tokens: int, experts: int, top_k: int, hidden: int, inter: int, dtype: torch.dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    w_gate_up = (0.2 * torch.randn(experts, 2 * inter, hidden, generator=gen)).to(dtype)
+    w_down = (0.2 * torch.randn(experts, hidden, inter, generator=gen)).to(dtype)
+    weights, ids = route(torch.randn(tokens, experts, generator=gen), top_k, renormalize=True)
+    return x, w_gate_up, w_down, weights, ids
+
+
+@pytest.mark.parametrize(
+    "tokens,experts,top_k,hidden,inter",
+    [(1, 8, 2, 32, 48),  # a decode row: two experts of eight read
+     (37, 8, 2, 40, 24),  # ragged hidden and intermediate sizes, several blocks an expert
+     (5, 16, 4, 32, 32)],  # experts no row chose
+)  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_grouped_experts_equal_the_twin(device, tokens, experts, top_k, hidden, inter, dtype):
+    x, w_gate_up, w_down, weights, ids = _layer(tokens, experts, top_k, hidden, inter, dtype, seed=tokens)
+    want = reference.fused_moe(x, w_gate_up, w_down, weights, ids)
+    got = fused_moe_triton(*(t.to(device) for t in (x, w_gate_up, w_down, weights, ids)))
+    assert got.dtype == dtype and got.shape == want.shape
+    tolerance = 1e-5 if dtype == torch.float32 and device == "cpu" else 2e-3 * want.abs().max().item()
+    assert (got.cpu().float() - want.float()).abs().max() <= tolerance
+
+
+def test_assignments_are_grouped_by_expert_in_whole_blocks():
+    ids = torch.tensor([[3, 1], [1, 0], [3, 2], [3, 1]])
+    layout = expert_blocks(ids, num_experts=6, block_m=4)
+    assert layout.num_blocks == -(-(ids.numel() + 6 * 3) // 4), "sized by the row count alone"
+    rows = layout.rows.view(layout.num_blocks, 4)
+    flat = ids.flatten()
+    seen = []
+    for block, expert in zip(rows.tolist(), layout.block_expert.tolist(), strict=True):
+        used = [r for r in block if r >= 0]
+        if expert < 0:
+            assert not used
+            continue
+        assert used and all(flat[r] == expert for r in used)
+        seen += used
+    assert sorted(seen) == list(range(ids.numel())), "every assignment once"
+    assert layout.block_expert.tolist()[:4] == [0, 1, 2, 3], "experts 4 and 5, unchosen, get no block"
+
+
+def test_route_renormalises_only_when_asked():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    weights, ids = route(logits, 2, renormalize=False)
+    assert ids.tolist() == [[0, 1]]
+    assert torch.allclose(weights, torch.softmax(logits, -1)[:, :2])
+    assert torch.allclose(route(logits, 2, renormalize=True)[0].sum(-1), torch.ones(1))
+
+
+@pytest.mark.gpu
+def test_a_decode_step_replays_from_a_cuda_graph():
+    """Nothing in the grouping depends on the data: a graph recorded for one routing replays
+    another's."""
+    x, w_gate_up, w_down, weights, ids = (t.cuda() for t in _layer(4, 16, 2, 64, 64, torch.bfloat16, seed=9))
+    out = fused_moe_triton(x, w_gate_up, w_down, weights, ids)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe_triton(x, w_gate_up, w_down, weights, ids)
+    new_weights, new_ids = route(torch.randn(4, 16, device="cuda"), 2, renormalize=True)
+    weights.copy_(new_weights)
+    ids.copy_(new_ids)
+    graph.replay()
+    want = reference.fused_moe(x, w_gate_up, w_down, weights, ids)
+    assert (out.float() - want.float()).abs().max() <= 2e-2 * want.abs().max()
