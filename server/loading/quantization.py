@@ -86,7 +86,8 @@ def check_checkpoint(config: Any, display_name: str, native: bool) -> None:
         if not native:
             raise ModelLoadError(
                 f"{display_name} is an fp8 checkpoint; fp8 checkpoints load natively, for the llama family "
-                "(Llama, Mistral, Qwen2, Qwen3): serve this model's unquantized checkpoint instead"
+                "(Llama, Mistral, Qwen2, Qwen3, Phi-3), Gemma 2 / 3 and the mixtures of experts (Mixtral, Qwen2-MoE, "
+                "Qwen3-MoE): serve this model's unquantized checkpoint instead"
             )
         return
     raise ModelLoadError(
@@ -105,7 +106,8 @@ def check_quantize(method: str | None, device: torch.device, native: bool, archi
         raise ModelLoadError(f"--quantize must be one of {', '.join(QUANTIZE_METHODS)}; got {method!r}")
     if not native:
         raise ModelLoadError(
-            f"--quantize {method} covers the natively served architectures (the llama family); "
+            f"--quantize {method} covers the natively served architectures (the llama family, Gemma 2 / 3, "
+            "the mixtures of experts); "
             f"{architecture} runs through transformers: serve it without --quantize"
         )
     if device.type == "hpu":

@@ -12,7 +12,8 @@ Tensor parallelism splits every expert's intermediate size across the shards (ea
 experts, as vLLM's default does); the router is on every shard. Checkpoints name experts one by
 one (`mlp.experts.{e}.gate_proj`, Mixtral's `block_sparse_moe.experts.{e}.w1`); transformers 5's
 stacked names (`mlp.experts.gate_up_proj`) are read too. --quantize fp8 leaves the experts in the
-model's dtype.
+model's dtype; an fp8 checkpoint's experts are dequantized to it as they load (its attention
+projections stay fp8).
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ EXPERT_PARTS = {
     "gate_proj": ("w_gate_up", 0), "up_proj": ("w_gate_up", 1), "down_proj": ("w_down", 0),
     "w1": ("w_gate_up", 0), "w3": ("w_gate_up", 1), "w2": ("w_down", 0),
 }  # fmt: skip
-_ONE_EXPERT = re.compile(r"^(?P<layer>.+\.mlp)\.experts\.(?P<expert>\d+)\.(?P<part>\w+)\.weight$")
+_ONE_EXPERT = re.compile(
+    r"^(?P<layer>.+\.mlp)\.experts\.(?P<expert>\d+)\.(?P<part>\w+)\.(?P<kind>weight|weight_scale|input_scale)$"
+)
 _STACKED = re.compile(r"^(?P<layer>.+\.mlp)\.experts\.(?P<part>gate_up_proj|down_proj)$")
 
 
@@ -136,6 +139,14 @@ def moe_block_of(config: Any, layer: int) -> nn.Module | None:
     return SparseMoE(config) if is_sparse_layer(config, layer) else None
 
 
+def _dequantized(weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """An expert weight as loaded: an e4m3 one times its scale (one a row, or one for the tensor)."""
+    if scale is None:
+        return weight
+    scale = scale.float()
+    return weight.float() * (scale.reshape(-1, 1) if scale.numel() == weight.shape[0] else scale.reshape(()))
+
+
 def _mixtral_names(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     for name, tensor in weights:
         yield name.replace(".block_sparse_moe.", ".mlp."), tensor
@@ -167,18 +178,34 @@ class MoEForCausalLM(LlamaForCausalLM):
     def _placed_experts(
         self, weights: Iterable[tuple[str, torch.Tensor]], modules: dict[str, ExpertWeights]
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Experts' weights copied into their stacks; every other weight passed on."""
+        """Experts' weights copied into their stacks; every other weight passed on. An fp8
+        checkpoint's expert weights (e4m3 with a `weight_scale` a row or a tensor) are dequantized
+        as they load: the experts stay in the model's dtype; static input scales are unused, as the
+        dense projections' are."""
+        waiting: dict[str, dict[str, torch.Tensor]] = {}  # an fp8 weight or its scale, until both came
         for name, tensor in weights:
             one, stacked = _ONE_EXPERT.match(name), _STACKED.match(name)
-            if one and one["part"] in EXPERT_PARTS:
-                target, part = EXPERT_PARTS[one["part"]]
-                self._experts(modules, one["layer"], name).load_expert(
-                    int(one["expert"]), target, part, tensor
-                )
-            elif stacked:
+            if stacked:
                 self._experts(modules, stacked["layer"], name).load_stacked(stacked["part"], tensor)
-            else:
+            elif not one or one["part"] not in EXPERT_PARTS:
                 yield name, tensor
+            elif one["kind"] != "input_scale":
+                key = name.rsplit(".", 1)[0]
+                pair = waiting.setdefault(key, {}) | {one["kind"]: tensor}
+                waiting[key] = pair
+                weight = pair.get("weight")
+                if weight is None or (weight.dtype == torch.float8_e4m3fn and "weight_scale" not in pair):
+                    continue
+                del waiting[key]
+                target, part = EXPERT_PARTS[one["part"]]
+                experts = self._experts(modules, one["layer"], name)
+                experts.load_expert(
+                    int(one["expert"]), target, part, _dequantized(weight, pair.get("weight_scale"))
+                )
+        if waiting:
+            raise ValueError(
+                f"checkpoint has fp8 expert weights without their scales, or scales alone: {sorted(waiting)[:3]}"
+            )
 
     @staticmethod
     def _experts(modules: dict[str, ExpertWeights], layer: str, source: str) -> ExpertWeights:

@@ -107,7 +107,7 @@ def test_an_fp8_checkpoint_with_a_scale_per_tensor_repeats_it_for_each_row(
 def test_fp8_checkpoints_need_the_native_path_and_fp8_projections(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="fp8 checkpoints load natively"):
         LLM(
-            str(write_fp8_checkpoint(fixture_path("mixtral"), tmp_path / "mixtral-fp8", "channel")),
+            str(write_fp8_checkpoint(fixture_path("gpt_neox"), tmp_path / "neox-fp8", "channel")),
             num_blocks=16,
         )
     mixed = write_fp8_checkpoint(fixture_path("llama"), tmp_path / "fp8", "channel")
@@ -133,8 +133,8 @@ def test_a_quantization_config_is_read_from_dicts_and_config_objects() -> None:
 def test_unknown_quantize_methods_and_the_transformers_path_are_refused() -> None:
     with pytest.raises(ModelLoadError, match="--quantize must be one of fp8; got 'awq'"):
         LLM(str(fixture_path("llama")), quantize="awq", num_blocks=16)
-    with pytest.raises(ModelLoadError, match="MixtralForCausalLM runs through transformers"):
-        LLM(str(fixture_path("mixtral")), quantize="fp8", num_blocks=16)
+    with pytest.raises(ModelLoadError, match="GPTNeoXForCausalLM runs through transformers"):
+        LLM(str(fixture_path("gpt_neox")), quantize="fp8", num_blocks=16)
 
 
 def test_fp8_layers_hold_fp8_rows_and_compute_close_to_the_full_product() -> None:
@@ -198,3 +198,25 @@ def test_fp8_smollm2_keeps_nine_greedy_steps_in_ten() -> None:
     agree = count_agreeing(engine_forced_picks(fp8.engine, prompts, tokens), tokens)
     print(f"fp8 SmolLM2: {agree}/256 greedy steps agree with the unquantized model")
     assert agree >= 0.85 * 256
+
+
+def test_an_fp8_mixture_of_experts_keeps_its_experts_dequantized(tmp_path: Path) -> None:
+    """llm-compressor quantizes every expert's projections too: each loads as e4m3 times its row
+    scale, in the model's dtype, beside fp8 attention projections."""
+    from tgserve.server.testing.arch_sweep import saved_tiny_model
+
+    saved_tiny_model(
+        "qwen3_moe", "Qwen3MoeForCausalLM", tmp_path / "moe", num_experts=4, num_experts_per_tok=2
+    )
+    checkpoint = write_fp8_checkpoint(tmp_path / "moe", tmp_path / "moe-fp8", "channel")
+    (file,) = checkpoint.glob("*.safetensors")
+    tensors = load_file(file)
+    name = "model.layers.1.mlp.experts.3.up_proj.weight"
+    assert tensors[name].dtype == torch.float8_e4m3fn
+    llm = LLM(str(checkpoint), num_blocks=32)
+    model = llm.engine.runner.forward.model
+    experts = model.model.layers[1].mlp.experts
+    want = tensors[name].float() * tensors[name.replace(".weight", ".weight_scale")].float().reshape(-1, 1)
+    assert torch.equal(experts.w_gate_up[3, experts.intermediate :], want)
+    assert model.get_parameter("model.layers.0.self_attn.qkv_proj.weight").dtype == torch.float8_e4m3fn
+    assert len(llm.generate(["Once upon a time"], GREEDY)[0].token_ids) == 8
