@@ -227,11 +227,13 @@ def masked_attention(
     scale: float,
     softcap: float | None = None,
     upcast: bool = True,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [q_len, num_heads, head_dim], query's dtype
     """Softmax attention under an explicit mask, grouped-query by reshaping the queries.
 
     upcast=False computes in the input dtype: the "low-precision torch" error that the
     flash-attention test rule compares a kernel's error against. Fully masked rows give zeros.
+    sinks [num_heads]: each head's learned sink logit, one more key of zero value in every row.
     """
     q_len, num_heads, dim = query.shape
     num_kv, dim_v = key.shape[1], value.shape[2]
@@ -246,7 +248,12 @@ def masked_attention(
     if mask.dim() == 3:
         mask = mask.view(num_kv, group, q_len, -1)
     scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:  # a column more, dropped after the softmax
+        sink = sinks.to(dt).view(num_kv, group, 1, 1).expand(num_kv, group, q_len, 1)
+        scores = torch.cat([scores, sink], dim=-1)
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with no allowed key -> zeros
+    if sinks is not None:
+        probs = probs[..., :-1]
     out = probs @ v  # [kv, g, q, dv]
     return out.permute(2, 0, 1, 3).reshape(q_len, num_heads, dim_v).to(query.dtype)
 

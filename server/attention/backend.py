@@ -66,6 +66,10 @@ class AttentionLayerParams:
     # then: 8 GiB at a million tokens of Llama-3-8B). A backend that cannot returns a new tensor.
     out: torch.Tensor | None = None
     host: HostBlocks | None = None  # the layer's blocks in the host tier, where requests spill there
+    # Learned attention sinks (gpt-oss's `sinks`), float32 [num_heads]: each head's logit of a key
+    # with a zero value in every row's softmax, taking a share of the attention. The CPU backend
+    # computes them; the model loader refuses such models on the other devices.
+    sinks: torch.Tensor | None = None
 
 
 @dataclass

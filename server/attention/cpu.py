@@ -34,13 +34,13 @@ def attend(
     allowed: torch.Tensor | None,  # [q_len, seq_len]; None: plain causal over q_len == seq_len
     layer: AttentionLayerParams,
 ) -> torch.Tensor:  # [q_len, num_heads, head_dim]
-    """One sequence's queries against its context; SDPA unless scores need softcapping.
+    """One sequence's queries against its context; SDPA unless scores need softcapping or sinks.
 
     The inputs are made 4D: with 3D inputs torch's CPU SDPA takes its math path (20x slower at 1K
     tokens than the flash path 4D inputs get), and without a mask its flash path skips the blocks
     above the diagonal (1.5x faster than the same causal mask given explicitly).
     """
-    if layer.softcap is None:
+    if layer.softcap is None and layer.sinks is None:
         out = F.scaled_dot_product_attention(
             query.transpose(0, 1)[None],
             key.transpose(0, 1).to(query.dtype)[None],
@@ -53,7 +53,7 @@ def attend(
         return out[0].transpose(0, 1)
     if allowed is None:
         allowed = causal_mask(query.shape[0], key.shape[0], device=query.device)
-    return masked_attention(query, key, value, allowed, layer.scale, layer.softcap)
+    return masked_attention(query, key, value, allowed, layer.scale, layer.softcap, sinks=layer.sinks)
 
 
 @dataclass
@@ -272,7 +272,7 @@ def decode_attention(
     allowed = decode_mask(group, block_size, layer.spec.sliding_window)
     if group.selected is not None and layer.key_summary is not None:
         allowed = allowed & chosen_positions(query, kv_cache, group, layer, selection)
-    if layer.softcap is None:
+    if layer.softcap is None and layer.sinks is None:
         out = F.scaled_dot_product_attention(
             query[:, :, None, :],
             keys.transpose(1, 2).to(query.dtype),
@@ -285,11 +285,18 @@ def decode_attention(
     num_kv = keys.shape[2]
     q = query.float().view(batch, num_kv, num_heads // num_kv, dim)
     scores = torch.einsum("bkgd,blkd->bkgl", q, keys.float()) * layer.scale
-    scores = torch.tanh(scores / layer.softcap) * layer.softcap
+    if layer.softcap is not None:
+        scores = torch.tanh(scores / layer.softcap) * layer.softcap
     if allowed.shape[1] > 1:  # per query head (selection): [B, num_kv, group, L] like the scores
         allowed = allowed.view(batch, num_kv, -1, allowed.shape[-1])
     scores = scores.masked_fill(~allowed, float("-inf"))
-    out = torch.einsum("bkgl,blkd->bkgd", torch.softmax(scores, dim=-1), values.float())
+    if layer.sinks is not None:  # one more key of zero value, dropped after the softmax
+        sink = layer.sinks.float().view(1, num_kv, -1, 1).expand(batch, -1, -1, 1)
+        scores = torch.cat([scores, sink], dim=-1)
+    probs = torch.softmax(scores, dim=-1)
+    if layer.sinks is not None:
+        probs = probs[..., :-1]
+    out = torch.einsum("bkgl,blkd->bkgd", probs, values.float())
     return out.reshape(batch, num_heads, dim).to(query.dtype)
 
 

@@ -74,13 +74,15 @@ def paged_attention(
     softcap: float | None = None,
     rows: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention for layer `layer_idx` of the current step, reading and writing its KV view; with
     `rows`, the output of those query rows only (every row's keys and values are stored); `out`, a
-    buffer the backend may write the output into (`AttentionLayerParams.out`)."""
+    buffer the backend may write the output into (`AttentionLayerParams.out`); `sinks`, learned
+    per-head sink logits (`AttentionLayerParams.sinks`)."""
     ctx = get_forward_context()
     layer = AttentionLayerParams(ctx.specs[layer_idx], scale, softcap, layer_idx, ctx.kv_scale(layer_idx),
-                                 ctx.key_summary(layer_idx), out, ctx.host(layer_idx))  # fmt: skip
+                                 ctx.key_summary(layer_idx), out, ctx.host(layer_idx), sinks)  # fmt: skip
     cache = ctx.kv_caches[layer_idx]
     if rows is None:
         return ctx.backend.forward(query, key, value, cache, ctx.plan, layer)

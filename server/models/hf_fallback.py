@@ -45,7 +45,8 @@ def _paged_attention_function(
     # which leaves the scores and the output's own columns as they are.
     width, value_dim = get_forward_context().specs[module.layer_idx].head_dim, value.shape[-1]
     q, k, v = (_padded(t[0], width).transpose(0, 1).contiguous() for t in (query, key, value))
-    out = paged_attention(module.layer_idx, q, k, v, scale, softcap)
+    sinks = kwargs.get("s_aux")  # gpt-oss's learned sinks, a logit per query head
+    out = paged_attention(module.layer_idx, q, k, v, scale, softcap, sinks=sinks)
     return out[..., :value_dim][None], None  # [1, T, H, D], as transformers' attention functions return
 
 
@@ -160,24 +161,27 @@ def load_fallback_model(
                 **dtype_kwargs(dtype),
             )
         fill_weights(hf_model)
-    refuse_unsupported_attention(hf_model)
+    refuse_unsupported_attention(hf_model, device)
     hf_model = hf_model.to(device).eval()
     if not supports_attention_interface(type(hf_model)) and is_recomputed(type(hf_model), config.model_type):
         return RecomputingFallbackModel(hf_model)
     return TransformersFallbackModel(hf_model)
 
 
-def refuse_unsupported_attention(hf_model: nn.Module) -> None:
-    """Raise UnsupportedModelError for attention the paged kernels do not compute, rather than
-    serve wrong tokens: learned attention sinks (gpt-oss's `sinks`, passed to the attention function
-    as `s_aux`), which take a share of every softmax."""
+def refuse_unsupported_attention(hf_model: nn.Module, device: torch.device) -> None:
+    """Raise UnsupportedModelError for attention a device's paged kernels do not compute, rather
+    than serve wrong tokens: learned attention sinks (gpt-oss's `sinks`, passed to the attention
+    function as `s_aux`, a share of every softmax) are computed by the CPU backend only."""
     from tgserve.server.models.registry import UnsupportedModelError
 
+    if torch.device(device).type == "cpu":
+        return
     for name, _ in hf_model.named_parameters():
         if name.rsplit(".", 1)[-1] == "sinks":
             raise UnsupportedModelError(
-                f"{type(hf_model).__name__}: attention with learned sinks ({name}) is not supported yet; "
-                "the paged attention would leave them out and give wrong tokens"
+                f"{type(hf_model).__name__}: attention with learned sinks ({name}) runs on the CPU backend "
+                f"only so far; the {torch.device(device).type} kernels would leave the sinks out and give "
+                "wrong tokens"
             )
 
 

@@ -285,6 +285,8 @@ def table(rows: list[Row]) -> str:
         f"{len(rows)} architectures: {summary}. `python -m tgserve.server.testing.arch_sweep` (`make test-arch`)",
         "writes this table: each built tiny and random from its own config class, greedy tokens of the",
         "engine (CPU, float32, chunked prefill, a prefix-cache hit) against transformers `generate`.",
+        "Learned attention sinks (gpt-oss, GraniteMoE-SWA) are computed by the CPU backend only so far: on",
+        "CUDA and Gaudi those two are refused by name until the kernels compute them.",
         "",
         "| model_type | class | status | detail |",
         "|---|---|---|---|",
