@@ -191,8 +191,8 @@ class MoEForCausalLM(LlamaForCausalLM):
                 yield name, tensor
             elif one["kind"] != "input_scale":
                 key = name.rsplit(".", 1)[0]
-                pair = waiting.setdefault(key, {}) | {one["kind"]: tensor}
-                waiting[key] = pair
+                pair = waiting.setdefault(key, {})
+                pair[one["kind"]] = tensor
                 weight = pair.get("weight")
                 if weight is None or (weight.dtype == torch.float8_e4m3fn and "weight_scale" not in pair):
                     continue
