@@ -86,6 +86,7 @@ def paged_decode(
     selection: tuple[torch.Tensor, torch.Tensor] | None = None,
     key_summary: torch.Tensor | None = None,
     host: tuple[torch.Tensor, torch.Tensor | None, int] | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence over its paged context: the split-context decode kernel on CUDA.
 
@@ -96,7 +97,8 @@ def paged_decode(
     selection: (chosen, lengths): `select_decode_blocks` and the selection's `lengths` (full-attention layers).
     key_summary: the layer's key summaries, which the step's keys are folded into. host: (host
     blocks' cache, their scales or None, first host id): table entries from that id on name host
-    blocks, read where they lie (the long-context tier).
+    blocks, read where they lie (the long-context tier). sinks: float32 [num_heads], learned
+    per-head sink logits (gpt-oss): a key of zero value in every row's softmax.
     """
     assert selection is None or sliding_window is None, "selection is for full-attention layers"
     if use_triton(query):
@@ -104,18 +106,18 @@ def paged_decode(
 
         return triton_paged_decode(query, kv_cache, block_tables, seq_lens, scale, sliding_window, softcap, out,
                                    max_seq_len=max_seq_len, step_kv=step_kv, kv_scale=kv_scale, selection=selection,
-                                   key_summary=key_summary, host=host)  # fmt: skip
+                                   key_summary=key_summary, host=host, sinks=sinks)  # fmt: skip
     if step_kv is not None:
         reference.write_kv(*step_kv[:2], kv_cache, step_kv[2], kv_scale)
         if key_summary is not None:
             update_key_summaries(step_kv[0], step_kv[2], key_summary, kv_cache.shape[2])
     if selection is not None:
         result = reference.selected_decode(query, kv_cache, block_tables, seq_lens, *selection, scale, softcap,
-                                           kv_scale, host)  # fmt: skip
+                                           kv_scale, host, sinks)  # fmt: skip
         return result if out is None else out.copy_(result)
     one_query_each = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
     result = reference.paged_attention(query, kv_cache, block_tables, one_query_each, seq_lens, scale,
-                                       sliding_window, softcap, kv_scale=kv_scale, host=host)  # fmt: skip
+                                       sliding_window, softcap, kv_scale=kv_scale, host=host, sinks=sinks)  # fmt: skip
     return result if out is None else out.copy_(result)
 
 
@@ -168,17 +170,18 @@ def paged_prefill(
     out: torch.Tensor | None = None,
     kv_scale: torch.Tensor | None = None,
     host: tuple[torch.Tensor, torch.Tensor | None, int] | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each sequence's queries (its last positions) over its paged context, this step's keys and
-    values already stored: chunked prefill, prefix hits, prompts beside decode rows (`host`: as
-    `paged_decode` reads it)."""
+    values already stored: chunked prefill, prefix hits, prompts beside decode rows (`host`,
+    `sinks`: as `paged_decode` takes them)."""
     if use_triton(query):
         from tgserve.kernels.paged_prefill import paged_prefill as triton_paged_prefill
 
         return triton_paged_prefill(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window,
-                                    softcap, out, kv_scale=kv_scale, host=host)  # fmt: skip
+                                    softcap, out, kv_scale=kv_scale, host=host, sinks=sinks)  # fmt: skip
     result = reference.paged_attention(query, kv_cache, block_tables, query_start_loc, seq_lens, scale,
-                                       sliding_window, softcap, kv_scale=kv_scale, host=host)  # fmt: skip
+                                       sliding_window, softcap, kv_scale=kv_scale, host=host, sinks=sinks)  # fmt: skip
     return result if out is None else out.copy_(result)
 
 
@@ -247,16 +250,24 @@ def dense_prefill(
     sliding_window: int | None = None,
     softcap: float | None = None,
     cu_seqlens_cpu: list[int] | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of fresh prompts packed back to back, with the fastest kernel at hand.
 
-    CUDA order: flash-attn varlen (GQA, window, softcap) if installed; else, without window or
-    softcap, SDPA (flash or cuDNN first by length: sdpa_backends) for a single sequence, and for
-    each sequence of at least SDPA_MIN_TOKENS when the host offsets are given, the shorter ones
-    packed into one Triton varlen launch; else Triton varlen for the whole pack.
+    CUDA order: with learned sinks, Triton varlen (the library kernels take none); else flash-attn
+    varlen (GQA, window, softcap) if installed; else, without window or softcap, SDPA (flash or
+    cuDNN first by length: sdpa_backends) for a single sequence, and for each sequence of at least
+    SDPA_MIN_TOKENS when the host offsets are given, the shorter ones packed into one Triton varlen
+    launch; else Triton varlen for the whole pack.
     """
     if not use_triton(query):
-        return reference.varlen_attention(query, key, value, cu_seqlens, scale, sliding_window, softcap)
+        return reference.varlen_attention(
+            query, key, value, cu_seqlens, scale, sliding_window, softcap, sinks=sinks
+        )
+    if sinks is not None:
+        from tgserve.kernels.paged_prefill import varlen_prefill
+
+        return varlen_prefill(query, key, value, cu_seqlens, scale, sliding_window, softcap, sinks=sinks)
     flash = _flash_attn_varlen()
     if flash is not None and query.dtype in (torch.float16, torch.bfloat16):
         window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
@@ -316,19 +327,20 @@ def fresh_prefill(
     sparse: SparseConfig | None = None,
     layer: int = 0,
     out: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Prompts with no cached prefix; those of at least sparse.min_seq_len tokens go sparse.
 
     Sparse prefill needs the whole prompt in one step (a chunk has no future to estimate from)
-    and supports neither sliding windows nor softcapping: such layers stay dense. out: where a
-    sparse step writes its output (a dense step returns the library kernel's).
+    and supports neither sliding windows, softcapping nor learned sinks: such layers stay dense.
+    out: where a sparse step writes its output (a dense step returns the library kernel's).
     """
     lens = [b - a for a, b in zip(cu_seqlens_cpu, cu_seqlens_cpu[1:])]
     max_len = max(lens, default=0)
-    go_sparse = sparse is not None and sliding_window is None and softcap is None
+    go_sparse = sparse is not None and sliding_window is None and softcap is None and sinks is None
     if not go_sparse or max_len < sparse.min_seq_len:
         return dense_prefill(query, key, value, cu_seqlens, max_len, scale, sliding_window, softcap,
-                             cu_seqlens_cpu)  # fmt: skip
+                             cu_seqlens_cpu, sinks)  # fmt: skip
     out = torch.empty_like(query) if out is None else out
     for start, end in zip(cu_seqlens_cpu, cu_seqlens_cpu[1:]):
         q, k, v = query[start:end], key[start:end], value[start:end]

@@ -27,6 +27,7 @@ from tgserve.kernels.triton_common import (
     block_address,
     dot_precision,
     e4m3_rows,
+    fold_sink,
     interpreting,
     pdl,
     pow2,
@@ -90,6 +91,7 @@ def _decode_kernel(
     num_device_blocks,
     stride_h_block,
     stride_hs_block,
+    sinks_ptr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -109,6 +111,7 @@ def _decode_kernel(
     HOST: tl.constexpr = False,
     SCALE_AHEAD: tl.constexpr = False,
     TAIL_N: tl.constexpr = 0,
+    SINKS: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     seq = tl.program_id(0)
@@ -235,11 +238,14 @@ def _decode_kernel(
             # Only the splits holding some of this sequence's context have anything to merge.
             used = tl.where(partition > 0, tl.cdiv(ctx, tl.maximum(partition, 1)), 0)
             _merge_splits(part_o_ptr, part_ml_ptr, out_ptr, seq, kv_head * group, seq_slot0, stride_os,
-                          stride_oh, group, head_dim, num_splits, used, BLOCK_S, BLOCK_D, MERGE_ROWS)  # fmt: skip
+                          stride_oh, group, head_dim, num_splits, used, sinks_ptr, BLOCK_S, BLOCK_D, MERGE_ROWS,
+                          SINKS)  # fmt: skip
             # Back to zero for the next launch (and every graph replay) without a memset kernel;
             # nothing else touches this counter until this kernel has finished.
             tl.store(counter, 0)
     else:
+        if SINKS:  # each head's learned sink, one more key of zero value
+            acc, l_i = fold_sink(acc, m_i, l_i, tl.load(sinks_ptr + heads, mask=row_ok, other=0.0))
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         out_ptrs = out_ptr + seq * stride_os + heads[:, None] * stride_oh + dims[None, :]
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask)
@@ -367,9 +373,11 @@ def _merge_splits(
     head_dim,
     num_splits,
     used,
+    sinks_ptr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     MERGE_ROWS: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     """Combine the first `used` splits of a group's query heads: weights 2^(m_s - max) rescale each
     partial (the splits past them hold no context).
@@ -402,6 +410,8 @@ def _merge_splits(
             l_run = l_run * carried + tl.sum(w * ll, 1)
             o_run = o_run * carried[:, None] + tl.sum(o * w[:, :, None], 1)
             m_run = m_new
+        if SINKS:
+            o_run, l_run = fold_sink(o_run, m_run, l_run, tl.load(sinks_ptr + head, mask=row_ok, other=0.0))
         out = o_run / tl.where(l_run == 0.0, 1.0, l_run)[:, None]
         out_ptrs = out_ptr + seq * stride_os + head[:, None] * stride_oh + dims[None, :]
         out_mask = row_ok[:, None] & (dims < head_dim)[None, :]
@@ -515,6 +525,7 @@ def paged_decode(
     selection: tuple[torch.Tensor, torch.Tensor] | None = None,
     key_summary: torch.Tensor | None = None,
     host: tuple[torch.Tensor, torch.Tensor | None, int] | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention over the paged cache; returns (or fills) out [num_seqs, num_heads, head_dim].
 
@@ -532,6 +543,7 @@ def paged_decode(
     (`HostKVPool.layer_views`; pinned host memory on CUDA): block-table entries at or past `first`
     (the pool's block count, scratch blocks aside) name host block entry - first, read in place. The
     step's own slot is in the device pool.
+    sinks: float32 [num_heads], learned per-head sink logits (a key of zero value in every row).
     """
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
@@ -574,7 +586,7 @@ def paged_decode(
         block_tables.stride(0),
         group, head_dim, splits,
         host_cache[0], host_cache[1], *host_scales, first_host_id, host_cache.stride(1),
-        host_scales[0].stride(0),
+        host_scales[0].stride(0), seq_lens if sinks is None else sinks.float().contiguous(),
         BLOCK_SIZE=block_size, BLOCK_G=pow2(group), BLOCK_D=block_d, BLOCK_N=block_n,
         USE_SOFTCAP=softcap is not None, USE_WINDOW=sliding_window is not None,
         SPLIT=splits > 1, PRECISION=dot_precision(query.dtype),
@@ -582,7 +594,7 @@ def paged_decode(
         SELECT=selection is not None, SUMMARY=step_kv is not None and key_summary is not None,
         F16_PRODUCTS=kv_scale is not None and query.dtype != torch.float32,
         HOST=host is not None, SCALE_AHEAD=kv_scale is not None and FP8_SCALES_AHEAD,
-        TAIL_N=block_n // 2 if kv_scale is not None and FP8_HALF_TAIL else 0,
+        TAIL_N=block_n // 2 if kv_scale is not None and FP8_HALF_TAIL else 0, SINKS=sinks is not None,
         num_warps=num_warps, **pdl(query),
     )  # fmt: skip
     return out

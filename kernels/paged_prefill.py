@@ -16,7 +16,14 @@ import torch
 import triton
 import triton.language as tl
 
-from tgserve.kernels.triton_common import attend_tile, block_address, dot_precision, interpreting, pow2
+from tgserve.kernels.triton_common import (
+    attend_tile,
+    block_address,
+    dot_precision,
+    fold_sink,
+    interpreting,
+    pow2,
+)
 
 
 # The block table's width changes with the step's longest context: not specialised, so a new
@@ -55,6 +62,7 @@ def _prefill_kernel(
     first_host,
     stride_h_block,
     stride_hs_block,
+    sinks_ptr,
     PAGED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -66,6 +74,7 @@ def _prefill_kernel(
     PRECISION: tl.constexpr,
     SCALED: tl.constexpr = False,
     HOST: tl.constexpr = False,
+    SINKS: tl.constexpr = False,
 ):
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -128,6 +137,8 @@ def _prefill_kernel(
             acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k, v, mask, sm_scale, softcap,
                                         USE_SOFTCAP, PRECISION)  # fmt: skip
 
+        if SINKS:  # each head's learned sink, one more key of zero value
+            acc, l_i = fold_sink(acc, m_i, l_i, tl.load(sinks_ptr + head).to(tl.float32))
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         out_ptrs = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask)
@@ -175,6 +186,7 @@ def _launch(
     block_n: int | None,
     kv_scale: torch.Tensor | None = None,
     host: tuple[torch.Tensor, torch.Tensor | None, int] | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = query.shape
     paged = block_tables is not None
@@ -207,10 +219,10 @@ def _launch(
         table_stride,
         group, head_dim,
         host_cache[0], host_cache[1], *host_scales, first_host, host_cache.stride(1), host_scales[0].stride(0),
-        PAGED=paged, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
+        query if sinks is None else sinks.float().contiguous(), PAGED=paged, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(head_dim), USE_SOFTCAP=softcap is not None,
         USE_WINDOW=sliding_window is not None, PRECISION=dot_precision(query.dtype), SCALED=kv_scale is not None,
-        HOST=host is not None, num_warps=4 if interpreting() else 8, num_stages=1 if interpreting() else 2,
+        HOST=host is not None, SINKS=sinks is not None, num_warps=4 if interpreting() else 8, num_stages=1 if interpreting() else 2,
     )  # fmt: skip
     return out
 
@@ -229,12 +241,14 @@ def paged_prefill(
     block_n: int | None = None,
     kv_scale: torch.Tensor | None = None,
     host: tuple[torch.Tensor, torch.Tensor | None, int] | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Queries of each sequence (its last q_len positions) against all its earlier paged KV; with
     kv_scale [2, num_blocks, num_kv_heads, block_size] float32, an fp8 cache with these scales;
-    with `host` (as paged_decode takes it), table entries from its first id on are host blocks."""
+    with `host` (as paged_decode takes it), table entries from its first id on are host blocks;
+    sinks [num_heads]: learned per-head sink logits (a key of zero value in every row)."""
     return _launch(query, kv_cache[0], kv_cache[1], query_start_loc, seq_lens, block_tables,
-                   scale, sliding_window, softcap, out, block_m, block_n, kv_scale, host)  # fmt: skip
+                   scale, sliding_window, softcap, out, block_m, block_n, kv_scale, host, sinks)  # fmt: skip
 
 
 def varlen_prefill(
@@ -248,7 +262,8 @@ def varlen_prefill(
     out: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of fresh prompts packed back to back (keys read straight from `key`)."""
     return _launch(query, key, value, cu_seqlens, cu_seqlens, None,
-                   scale, sliding_window, softcap, out, block_m, block_n)  # fmt: skip
+                   scale, sliding_window, softcap, out, block_m, block_n, sinks=sinks)  # fmt: skip

@@ -270,10 +270,11 @@ def paged_attention(
     upcast: bool = True,
     kv_scale: torch.Tensor | None = None,
     host: tuple[torch.Tensor, torch.Tensor | None, int] | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Variable-length attention over the paged cache: prefill chunks, prefix hits and decode alike
     (an fp8 cache with kv_scale: its keys and values dequantized, as `gather_kv` gives them; with
-    `host`, host blocks read as `gather_kv` reads them)."""
+    `host`, host blocks read as `gather_kv` reads them; sinks: as `masked_attention` takes them)."""
     out = torch.zeros_like(query)
     starts = query_start_loc.tolist()
     for i, seq_len in enumerate(seq_lens.tolist()):
@@ -282,7 +283,7 @@ def paged_attention(
             continue
         k, v = gather_kv(kv_cache, block_tables[i], seq_len, kv_scale, host)
         mask = causal_mask(hi - lo, seq_len, sliding_window, query.device)
-        out[lo:hi] = masked_attention(query[lo:hi], k, v, mask, scale, softcap, upcast)
+        out[lo:hi] = masked_attention(query[lo:hi], k, v, mask, scale, softcap, upcast, sinks)
     return out
 
 
@@ -297,10 +298,11 @@ def selected_decode(
     softcap: float | None = None,
     kv_scale: torch.Tensor | None = None,
     host: tuple[torch.Tensor, torch.Tensor | None, int] | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Selective decode (`kernels/decode_selection.py`): each KV head's query heads attend over
     the keys of that head's chosen blocks and the current block, as if they were the context
-    (`host`: as `gather_kv` reads it)."""
+    (`host`: as `gather_kv` reads it; sinks: as `masked_attention` takes them)."""
     out = torch.zeros_like(query)
     num_kv, block_size = kv_cache.shape[3], kv_cache.shape[2]
     group = query.shape[1] // num_kv
@@ -316,7 +318,7 @@ def selected_decode(
             heads = slice(h * group, (h + 1) * group)
             allowed = torch.ones(1, length, dtype=torch.bool, device=query.device)
             out[s, heads] = masked_attention(query[s : s + 1, heads], k[:, h : h + 1], v[:, h : h + 1], allowed,
-                                             scale, softcap)[0]  # fmt: skip
+                                             scale, softcap, sinks=None if sinks is None else sinks[heads])[0]  # fmt: skip
     return out
 
 
@@ -329,6 +331,7 @@ def varlen_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     upcast: bool = True,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dense causal attention of fresh prompts packed back to back (keys = the prompt itself)."""
     out = torch.zeros_like(query)
@@ -337,7 +340,9 @@ def varlen_attention(
         if hi == lo:
             continue
         mask = causal_mask(hi - lo, hi - lo, sliding_window, query.device)
-        out[lo:hi] = masked_attention(query[lo:hi], key[lo:hi], value[lo:hi], mask, scale, softcap, upcast)
+        out[lo:hi] = masked_attention(
+            query[lo:hi], key[lo:hi], value[lo:hi], mask, scale, softcap, upcast, sinks
+        )
     return out
 
 

@@ -61,6 +61,16 @@ def tanh(x):
 
 
 @triton.jit
+def fold_sink(acc, m_i, l_i, sink):
+    """A learned attention sink (gpt-oss) folded into a finished flash state: one more key of zero
+    value and logit `sink` [rows] (natural log; m_i is in base 2, as attend_tile keeps it)."""
+    sink2 = sink * 1.4426950408889634
+    m_new = tl.maximum(m_i, sink2)
+    alpha = tl.exp2(m_i - m_new)  # rows that saw no key: m_i = -inf, alpha 0
+    return acc * alpha[:, None], l_i * alpha + tl.exp2(sink2 - m_new)
+
+
+@triton.jit
 def attend_tile(
     acc,
     m_i,

@@ -67,8 +67,8 @@ class AttentionLayerParams:
     out: torch.Tensor | None = None
     host: HostBlocks | None = None  # the layer's blocks in the host tier, where requests spill there
     # Learned attention sinks (gpt-oss's `sinks`), float32 [num_heads]: each head's logit of a key
-    # with a zero value in every row's softmax, taking a share of the attention. The CPU backend
-    # computes them; the model loader refuses such models on the other devices.
+    # with a zero value in every row's softmax, taking a share of the attention. The CPU and CUDA
+    # backends compute them; the model loader refuses such models on a Gaudi.
     sinks: torch.Tensor | None = None
 
 

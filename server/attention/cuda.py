@@ -164,6 +164,7 @@ class CudaAttentionBackend(AttentionBackend[CudaStepPlan]):
                 selection=selection,
                 key_summary=layer.key_summary,
                 host=_host(layer.host),
+                sinks=layer.sinks,
             )
         self._store(key, value, kv_cache, metadata, layer)
         if plan.path is CudaPath.FRESH:
@@ -179,6 +180,7 @@ class CudaAttentionBackend(AttentionBackend[CudaStepPlan]):
                 self.sparse,
                 layer.layer_idx,
                 out=layer.out,
+                sinks=layer.sinks,
             )
         decodes = plan.long_decodes if layer.key_summary is not None else None
         out = dispatch.paged_prefill(
@@ -192,6 +194,7 @@ class CudaAttentionBackend(AttentionBackend[CudaStepPlan]):
             layer.softcap,
             kv_scale=layer.kv_scale,
             host=_host(layer.host),
+            sinks=layer.sinks,
         )
         if decodes is not None:
             out[decodes.rows] = self._selective_decode(query[decodes.rows], kv_cache, layer, decodes)
@@ -207,7 +210,8 @@ class CudaAttentionBackend(AttentionBackend[CudaStepPlan]):
         bound = max(self.selection.min_context, self.selection.budget)
         return dispatch.paged_decode(query, kv_cache, tables, seq_lens, layer.scale, None, layer.softcap,
                                      max_seq_len=bound, kv_scale=layer.kv_scale,
-                                     selection=(chosen, decodes.lengths), host=_host(layer.host))  # fmt: skip
+                                     selection=(chosen, decodes.lengths), host=_host(layer.host),
+                                     sinks=layer.sinks)  # fmt: skip
 
     def forward_rows(self, query, key, value, kv_cache, plan: CudaStepPlan, layer: AttentionLayerParams,
                      rows: torch.Tensor) -> torch.Tensor:  # fmt: skip
@@ -238,6 +242,7 @@ class CudaAttentionBackend(AttentionBackend[CudaStepPlan]):
             max_seq_len=plan.max_seq_len,
             kv_scale=layer.kv_scale,
             host=_host(layer.host),
+            sinks=layer.sinks,
         )
         if decodes is not None:
             out[at.int().argmax(0)] = self._selective_decode(query[decodes.rows], kv_cache, layer, decodes)

@@ -171,17 +171,18 @@ def load_fallback_model(
 def refuse_unsupported_attention(hf_model: nn.Module, device: torch.device) -> None:
     """Raise UnsupportedModelError for attention a device's paged kernels do not compute, rather
     than serve wrong tokens: learned attention sinks (gpt-oss's `sinks`, passed to the attention
-    function as `s_aux`, a share of every softmax) are computed by the CPU backend only."""
+    function as `s_aux`, a share of every softmax) are computed by the CPU and CUDA backends, not
+    by the Gaudi one."""
     from tgserve.server.models.registry import UnsupportedModelError
 
-    if torch.device(device).type == "cpu":
+    if torch.device(device).type in ("cpu", "cuda"):
         return
     for name, _ in hf_model.named_parameters():
         if name.rsplit(".", 1)[-1] == "sinks":
             raise UnsupportedModelError(
-                f"{type(hf_model).__name__}: attention with learned sinks ({name}) runs on the CPU backend "
-                f"only so far; the {torch.device(device).type} kernels would leave the sinks out and give "
-                "wrong tokens"
+                f"{type(hf_model).__name__}: attention with learned sinks ({name}) runs on the CPU and "
+                f"CUDA backends only so far; the {torch.device(device).type} attention would leave the sinks "
+                "out and give wrong tokens"
             )
 
 

@@ -59,7 +59,7 @@ def test_a_hybrid_that_transformers_cannot_run_tiny_is_still_refused_by_name(tmp
 
 def test_attention_with_learned_sinks_gives_transformers_tokens_on_the_cpu(tmp_path):
     """gpt-oss's sinks take a share of every softmax: the CPU backend computes them (on other
-    devices such models are refused: test_attention_sinks.py)."""
+    devices but a Gaudi too; there they are refused: test_attention_sinks.py)."""
     row = run_one("gpt_oss", "GptOssForCausalLM", tmp_path)
     assert row.status == "exact", row
 

@@ -1,5 +1,6 @@
 """Learned attention sinks (gpt-oss, GraniteMoE-SWA): a per-head logit of a key with a zero value in
-every row's softmax, computed by the CPU backend through the transformers fallback."""
+every row's softmax, computed by the CPU backend through the transformers fallback (the CUDA
+kernels' against their twins: kernels/tests/test_attention_sinks_kernels.py)."""
 
 from __future__ import annotations
 
@@ -49,9 +50,11 @@ def test_a_sink_is_one_more_key_of_zero_value():
     torch.testing.assert_close(got, want)
 
 
-def test_sinks_are_refused_where_the_kernels_do_not_compute_them(tmp_path):
+def test_sinks_are_refused_where_the_attention_does_not_compute_them(tmp_path):
     model = saved_tiny_model("gpt_oss", "GptOssForCausalLM", tmp_path)
-    refuse_unsupported_attention(model, torch.device("cpu"))
-    for device in ("cuda", "hpu"):
-        with pytest.raises(UnsupportedModelError, match="learned sinks .* runs on the CPU backend only"):
-            refuse_unsupported_attention(model, torch.device(device))
+    for device in ("cpu", "cuda"):
+        refuse_unsupported_attention(model, torch.device(device))
+    with pytest.raises(
+        UnsupportedModelError, match="learned sinks .* runs on the CPU and CUDA backends only"
+    ):
+        refuse_unsupported_attention(model, torch.device("hpu"))
