@@ -114,9 +114,15 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--profile-dir", type=Path, help="write each run's prompt-step kernel totals here")
+    parser.add_argument("--rescue-launch", type=json.loads, default={},
+                        help='JSON over the rescue estimate\'s launch (kernels/sparse/pooled.LAUNCH), e.g. '
+                             '\'{"split_dots": true}\'')  # fmt: skip
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
+        from tgserve.kernels.sparse import pooled
+
+        pooled.LAUNCH.update(args.rescue_launch)
         dtype, context, budget = (args.one + ":0").split(":")[:3]
         profile = None
         if args.profile_dir:

@@ -66,7 +66,9 @@ def stages(n: int, iters: int, sweep: bool) -> dict[str, float]:
         saved = dict(pooled.LAUNCH)
         for launch in ({"block_r": 128, "num_warps": 8}, {"block_r": 64, "num_warps": 4},
                        {"block_r": 128, "num_warps": 8, "num_stages": 4}, {"key_blocks": 2},
-                       {"key_blocks": 2, "num_warps": 8}, {"key_blocks": 2, "num_stages": 2}):  # fmt: skip
+                       {"key_blocks": 2, "num_warps": 8}, {"key_blocks": 2, "num_stages": 2},
+                       {"split_dots": True}, {"split_dots": True, "num_stages": 3},
+                       {"split_dots": True, "key_blocks": 4}):  # fmt: skip
             pooled.LAUNCH.update(launch)
             row[f"rescue {launch}"] = t(
                 lambda: pooled.rescue_blocks_triton(q, k, heads, block, cover, None, cols, rescue)

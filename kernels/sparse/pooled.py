@@ -44,7 +44,29 @@ BITS = 16  # listed blocks travel as a bitmap of BITS-bit words per query block
 # GPU: fastest of profile_sparse.py sweep (H200, 128K, ms a layer: this 3.47, one key block a step
 # at 3 stages 3.71, two at 3 stages 3.81). key_blocks: key blocks a step (one product of
 # key_blocks * block keys, max-pooled per block).
-LAUNCH = {"block_r": 128, "num_warps": 4, "num_stages": 2, "key_blocks": 2}
+LAUNCH = {"block_r": 128, "num_warps": 4, "num_stages": 2, "key_blocks": 2, "split_dots": False}
+# split_dots: a product per key block, each row's max taken over its own product, instead of one
+# product over KEY_BLOCKS blocks reshaped to pool per block (the reshape may move the product's
+# registers through shared memory). Same picks; which is faster is the sweep's to say
+# (profile_sparse.py; a candidate for the 1M-token prompt, where this kernel is 112 ms a layer).
+
+
+@triton.jit
+def _key_scores(qm, k_ptrs, pos, n, stride_kt, dim_ok, skip_row_ptr, masked, HAS_SKIP: tl.constexpr,
+                PRECISION: tl.constexpr):  # fmt: skip
+    """Block-mean queries x the keys at `pos`; with `masked`, keys past n and the head's columns
+    (skip_row_ptr: this row's per-key flags) at -inf."""
+    in_seq = pos < n
+    k = tl.load(
+        k_ptrs + pos.to(tl.int64)[:, None] * stride_kt, mask=in_seq[:, None] & dim_ok[None, :], other=0.0
+    )
+    s = tl.dot(qm, tl.trans(k), input_precision=PRECISION)
+    if masked:
+        allowed = in_seq
+        if HAS_SKIP:
+            allowed = allowed & (tl.load(skip_row_ptr + pos, mask=in_seq, other=1) == 0)
+        s = tl.where(allowed[None, :], s, float("-inf"))
+    return s
 
 
 # Lengths and counts unspecialised, as kernel.LENGTH_ARGS: every prompt length shares one compile.
@@ -54,6 +76,7 @@ def _rescue_kernel(
     n, num_qb, num_tiles, num_rows, group, head_dim, stride_kt, stride_kh, words,
     BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, R: tl.constexpr,
     HAS_SKIP: tl.constexpr, HAS_BITS: tl.constexpr, PRECISION: tl.constexpr, KEY_BLOCKS: tl.constexpr,
+    SPLIT_DOTS: tl.constexpr = False,
 ):  # fmt: skip
     pid = tl.program_id(0)
     tile = num_tiles - 1 - pid // num_rows  # longest tiles first, all heads of a tile together
@@ -72,28 +95,30 @@ def _rescue_kernel(
     best_i = tl.full([BLOCK_R, R], -1, tl.int32)
     last = tl.minimum(num_qb - 1, tile * BLOCK_R + BLOCK_R - 1)
     sub = tl.arange(0, KEY_BLOCKS)
+    skip_row = skip_ptr + row.to(tl.int64) * n
     for j0 in range(0, last + 1, KEY_BLOCKS):
-        # One product over KEY_BLOCKS key blocks, max-pooled per block (blocks past `last` are
-        # invisible to every row of the tile, keys past n masked).
-        pos = j0 * BLOCK + tl.arange(0, KEY_BLOCKS * BLOCK)
-        in_seq = pos < n
-        k = tl.load(k_ptrs + pos.to(tl.int64)[:, None] * stride_kt, mask=in_seq[:, None] & dim_ok[None, :],
-                    other=0.0)  # fmt: skip
-        s = tl.dot(qm, tl.trans(k), input_precision=PRECISION)
-        # Keys past n (the last step) and the head's columns are masked; a step whose blocks hold
-        # neither (nearly all: a head has ~1,000 columns in thousands of blocks) skips the per-key
-        # load and select (13% of the kernel's time at 1M tokens).
-        masked = (j0 + KEY_BLOCKS) * BLOCK > n
-        if HAS_SKIP:
-            flags = tl.load(skip_blocks_ptr + base + j0 + sub, mask=j0 + sub < num_qb, other=0)
-            masked = masked | (tl.max(flags, 0) > 0)
-        if masked:
-            allowed = in_seq
+        # KEY_BLOCKS key blocks a step, max-pooled per block (blocks past `last` are invisible to
+        # every row of the tile). Keys past n (the last step) and the head's columns are masked; a
+        # step whose blocks hold neither (nearly all: a head has ~1,000 columns in thousands of
+        # blocks) skips the per-key load and select (13% of the kernel's time at 1M tokens).
+        if SPLIT_DOTS:
+            pooled = tl.full([BLOCK_R, KEY_BLOCKS], float("-inf"), tl.float32)
+            for b in tl.static_range(KEY_BLOCKS):
+                masked = (j0 + b + 1) * BLOCK > n
+                if HAS_SKIP:
+                    flag = tl.load(skip_blocks_ptr + base + j0 + b, mask=j0 + b < num_qb, other=0)
+                    masked = masked | (flag > 0)
+                pos = (j0 + b) * BLOCK + tl.arange(0, BLOCK)
+                s = _key_scores(qm, k_ptrs, pos, n, stride_kt, dim_ok, skip_row, masked, HAS_SKIP, PRECISION)
+                pooled = tl.where(sub[None, :] == b, tl.max(s, 1)[:, None], pooled)
+        else:  # one product over the step's blocks, pooled through a reshape
+            masked = (j0 + KEY_BLOCKS) * BLOCK > n
             if HAS_SKIP:
-                skip = tl.load(skip_ptr + row.to(tl.int64) * n + pos, mask=in_seq, other=1)
-                allowed = allowed & (skip == 0)
-            s = tl.where(allowed[None, :], s, float("-inf"))
-        pooled = tl.max(tl.reshape(s, [BLOCK_R, KEY_BLOCKS, BLOCK]), 2)  # [BLOCK_R, KEY_BLOCKS]
+                flags = tl.load(skip_blocks_ptr + base + j0 + sub, mask=j0 + sub < num_qb, other=0)
+                masked = masked | (tl.max(flags, 0) > 0)
+            pos = j0 * BLOCK + tl.arange(0, KEY_BLOCKS * BLOCK)
+            s = _key_scores(qm, k_ptrs, pos, n, stride_kt, dim_ok, skip_row, masked, HAS_SKIP, PRECISION)
+            pooled = tl.max(tl.reshape(s, [BLOCK_R, KEY_BLOCKS, BLOCK]), 2)  # [BLOCK_R, KEY_BLOCKS]
         for b in tl.static_range(KEY_BLOCKS):
             j = j0 + b
             score = tl.max(tl.where(sub[None, :] == b, pooled, float("-inf")), 1)
@@ -181,7 +206,7 @@ def rescue_blocks_triton(
         BLOCK=block, BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(head_dim), R=top_r,
         HAS_SKIP=columns is not None, HAS_BITS=listed is not None, PRECISION=dot_precision(key.dtype),
         num_warps=4 if interpreting() else LAUNCH["num_warps"], num_stages=LAUNCH["num_stages"],
-        KEY_BLOCKS=LAUNCH["key_blocks"],
+        KEY_BLOCKS=LAUNCH["key_blocks"], SPLIT_DOTS=LAUNCH.get("split_dots", False),
     )  # fmt: skip
     top = torch.topk(values, width, dim=-1)
     limit = host_values(budget, device)[:, None, None]

@@ -104,17 +104,18 @@ def test_last_q_scores_triton_match_torch(device, n, block, last_q):
         torch.testing.assert_close(g.cpu(), w, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("key_blocks", [1, 2, 4])
+@pytest.mark.parametrize("key_blocks,split_dots", [(1, False), (2, False), (4, False), (2, True), (4, True)])
 @pytest.mark.parametrize("held", [False, True])
 @pytest.mark.parametrize("budget", [[2, 2, 2, 2, 2], [1, 3, 2, 5, 1]])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_rescue_blocks_triton_match_torch(device, held, budget, key_blocks, dtype, monkeypatch):
+def test_rescue_blocks_triton_match_torch(device, held, budget, key_blocks, split_dots, dtype, monkeypatch):
     """Top pooled-max blocks outside the held diagonals, listed blocks and column keys; key blocks
-    one to four a step (10 query blocks: a step of 4 reaches past the last one). fp16: products of
-    e4m3 rows on both sides."""
+    one to four a step (10 query blocks: a step of 4 reaches past the last one), in one product
+    or a product a block. fp16: products of e4m3 rows on both sides."""
     from tgserve.kernels.sparse import pooled
 
     monkeypatch.setitem(pooled.LAUNCH, "key_blocks", key_blocks)
+    monkeypatch.setitem(pooled.LAUNCH, "split_dots", split_dots)
     n, block = 150, 16
     q, k, _ = _qkv(n, 8, 2, 32, dtype, seed=7)
     gen = torch.Generator().manual_seed(3)
