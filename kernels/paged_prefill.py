@@ -219,10 +219,12 @@ def _launch(
         table_stride,
         group, head_dim,
         host_cache[0], host_cache[1], *host_scales, first_host, host_cache.stride(1), host_scales[0].stride(0),
-        query if sinks is None else sinks.float().contiguous(), PAGED=paged, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
+        query if sinks is None else sinks.float().contiguous(),
+        PAGED=paged, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(head_dim), USE_SOFTCAP=softcap is not None,
         USE_WINDOW=sliding_window is not None, PRECISION=dot_precision(query.dtype), SCALED=kv_scale is not None,
-        HOST=host is not None, SINKS=sinks is not None, num_warps=4 if interpreting() else 8, num_stages=1 if interpreting() else 2,
+        HOST=host is not None, SINKS=sinks is not None, num_warps=4 if interpreting() else 8,
+        num_stages=1 if interpreting() else 2,
     )  # fmt: skip
     return out
 
