@@ -65,6 +65,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--placements", type=int, default=12)
+    parser.add_argument("--skip", type=int, default=0, help="leave out the first N placements (resume a run)")
     parser.add_argument("--haystack-tokens", type=int, default=7000)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", type=Path)
@@ -73,7 +74,7 @@ def main() -> None:
     model, tokenizer = load_model(args.device, pattern_of)
     methods = {"dense": None} | {name: HeadPattern(**fields) for name, fields in METHODS.items()}
     rows = []
-    for placement in placements(args.placements):
+    for placement in placements(args.placements)[args.skip :]:
         prompt = torch.tensor([needle_prompt(tokenizer, placement, args.haystack_tokens)], device=args.device)
         row = {"depth": placement.depth, "number": placement.number, "prompt_tokens": prompt.shape[1]}
         for name, pattern in methods.items():
