@@ -219,6 +219,16 @@ def causal_mask(
     return allowed
 
 
+def softmax_with_sinks(scores: torch.Tensor, sink: torch.Tensor | None) -> torch.Tensor:
+    """softmax over the last dim of scores; with `sink` (learned sink logits, shaped to broadcast
+    against scores[..., :1]), each row's softmax takes one more key of its head's logit, dropped
+    after: its share is what the other keys lose. Rows with no allowed key give zeros."""
+    if sink is None:
+        return torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    sink = sink.to(scores.dtype).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+
+
 def masked_attention(
     query: torch.Tensor,  # [q_len, num_heads, head_dim]
     key: torch.Tensor,  # [k_len, num_kv_heads, head_dim]
@@ -248,12 +258,7 @@ def masked_attention(
     if mask.dim() == 3:
         mask = mask.view(num_kv, group, q_len, -1)
     scores = scores.masked_fill(~mask, float("-inf"))
-    if sinks is not None:  # a column more, dropped after the softmax
-        sink = sinks.to(dt).view(num_kv, group, 1, 1).expand(num_kv, group, q_len, 1)
-        scores = torch.cat([scores, sink], dim=-1)
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with no allowed key -> zeros
-    if sinks is not None:
-        probs = probs[..., :-1]
+    probs = softmax_with_sinks(scores, None if sinks is None else sinks.view(num_kv, group, 1, 1))
     out = probs @ v  # [kv, g, q, dv]
     return out.permute(2, 0, 1, 3).reshape(q_len, num_heads, dim_v).to(query.dtype)
 

@@ -58,6 +58,12 @@ class BlockSummaries:
     spread: torch.Tensor | None  # float32 [G, Q]: their keys' per-dimension variance (with spread)
 
 
+def squared_norms(x: torch.Tensor) -> torch.Tensor:
+    """float32 [..., 1]: each row's squared norm over the last dim, reduced straight from x's
+    dtype (no float32 copy of x: a whole prompt's queries at 512K tokens would be 8 GiB)."""
+    return torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32).pow(2)
+
+
 def block_summaries(
     key: torch.Tensor, value: torch.Tensor, columns: torch.Tensor, block: int, spread: bool = False
 ) -> BlockSummaries:
@@ -72,8 +78,7 @@ def block_summaries(
     sizes = (n - torch.arange(nq, device=key.device) * block).clamp(max=block).float()
     parts = [key, value]
     if spread:
-        squares = torch.linalg.vector_norm(key, dim=-1, keepdim=True, dtype=torch.float32).pow(2)
-        parts.append(squares)
+        parts.append(squared_norms(key))
     sums = torch.cat([block_means(x, block) for x in parts], dim=-1) * sizes[:, None]  # [Q, 2d (+1)]
     valid = (columns >= 0) & (columns < n)
     at = torch.where(valid, columns.long() // block, nq)  # [G, C]; nq: a dropped slot
@@ -113,7 +118,7 @@ def skipped_tail(
     group = heads // key.shape[1]
     q_mean = block_means(query, block)  # [Q, H, d]
     if spread:
-        q_norm = block_means(query.float().pow(2).sum(-1, keepdim=True), block)[..., 0]  # [Q, H]
+        q_norm = block_means(squared_norms(query), block)[..., 0]  # [Q, H]
     i = torch.arange(nq, device=query.device)
     before = i[None, :] < i[:, None]  # key block j strictly before query block b
     logit = torch.full((heads, nq), -math.inf, device=query.device)

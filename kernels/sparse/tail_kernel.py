@@ -20,7 +20,7 @@ import triton.language as tl
 
 from tgserve.kernels.sparse.estimate import block_means, host_values
 from tgserve.kernels.sparse.index import SparseIndex
-from tgserve.kernels.sparse.tail import Tail, block_summaries
+from tgserve.kernels.sparse.tail import Tail, block_summaries, squared_norms
 from tgserve.kernels.triton_common import interpreting, launch_fitting, pow2
 
 # Query blocks a program, key blocks a step, warps, stages; the second fits GPUs with less shared
@@ -99,24 +99,28 @@ def skipped_tail_triton(
     n, heads, dim = query.shape
     block, nq, device = index.block, index.diag_cover.shape[1], query.device
     group = heads // key.shape[1]
-    k_mean = torch.empty(heads, nq, dim, dtype=torch.float32, device=device)
-    v_mean, log_count = torch.empty_like(k_mean), torch.empty(heads, nq, dtype=torch.float32, device=device)
-    key_spread = torch.empty_like(log_count) if spread else log_count
-    for kv in range(key.shape[1]):
-        rows = slice(kv * group, (kv + 1) * group)
-        summary = block_summaries(key[:, kv], value[:, kv], index.columns[rows], block, spread)
-        k_mean[rows], v_mean[rows], log_count[rows] = summary.key, summary.value, summary.log_count
-        if spread:
-            key_spread[rows] = summary.spread
-    q_mean = block_means(query, block).transpose(0, 1).contiguous()  # [H, Q, d]
-    q_norm = log_count  # unread without spread
-    if spread:
-        q_norm = block_means(query.float().pow(2).sum(-1, keepdim=True), block)[..., 0].t().contiguous()
     logit = torch.full((heads, nq), -math.inf, dtype=torch.float32, device=device)
     out = torch.zeros(heads, nq, dim, dtype=torch.float32, device=device)
     rows = [h for h in range(heads) if enabled is None or enabled[h]]
     if not rows:
         return Tail(logit=logit, value=out)
+    k_mean = torch.empty(heads, nq, dim, dtype=torch.float32, device=device)
+    v_mean, log_count = torch.empty_like(k_mean), torch.empty(heads, nq, dtype=torch.float32, device=device)
+    key_spread = torch.empty_like(log_count) if spread else log_count
+    for kv in range(key.shape[1]):
+        of_group = slice(kv * group, (kv + 1) * group)
+        summary = block_summaries(key[:, kv], value[:, kv], index.columns[of_group], block, spread)
+        k_mean[of_group], v_mean[of_group], log_count[of_group] = (
+            summary.key,
+            summary.value,
+            summary.log_count,
+        )
+        if spread:
+            key_spread[of_group] = summary.spread
+    q_mean = block_means(query, block).transpose(0, 1).contiguous()  # [H, Q, d]
+    q_norm = log_count  # unread without spread
+    if spread:
+        q_norm = block_means(squared_norms(query), block)[..., 0].t().contiguous()
     head_rows = host_values(rows, device)
     listed = index.blocks.contiguous()
 

@@ -20,6 +20,7 @@ from tgserve.kernels.reference import (
     gather_kv,
     key_copy_slots,
     masked_attention,
+    softmax_with_sinks,
     update_key_summaries,
     write_kv,
 )
@@ -290,13 +291,8 @@ def decode_attention(
     if allowed.shape[1] > 1:  # per query head (selection): [B, num_kv, group, L] like the scores
         allowed = allowed.view(batch, num_kv, -1, allowed.shape[-1])
     scores = scores.masked_fill(~allowed, float("-inf"))
-    if layer.sinks is not None:  # one more key of zero value, dropped after the softmax
-        sink = layer.sinks.float().view(1, num_kv, -1, 1).expand(batch, -1, -1, 1)
-        scores = torch.cat([scores, sink], dim=-1)
-    probs = torch.softmax(scores, dim=-1)
-    if layer.sinks is not None:
-        probs = probs[..., :-1]
-    out = torch.einsum("bkgl,blkd->bkgd", probs, values.float())
+    sinks = None if layer.sinks is None else layer.sinks.view(1, num_kv, -1, 1)
+    out = torch.einsum("bkgl,blkd->bkgd", softmax_with_sinks(scores, sinks), values.float())
     return out.reshape(batch, num_heads, dim).to(query.dtype)
 
 

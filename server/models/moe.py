@@ -128,7 +128,7 @@ class SparseMoE(nn.Module):
         if self.round_weights:
             weights = weights.to(x.dtype)
         out = dispatch.fused_moe(x, self.experts.w_gate_up, self.experts.w_down, weights, ids)
-        out = self.tp.all_reduce(out) if self.tp.world_size > 1 else out
+        out = self.tp.all_reduce(out)  # each shard's experts hold a slice of the intermediate size
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
