@@ -6,9 +6,11 @@ each (prompt and output) submitted at once, with selective decode attention (--b
 turns the host tier off (the baseline: a context that fits, alone). Pool blocks caps the pool
 (0: sized from GPU memory), to make small runs spill.
 
-Reported per run: the pool and host tier in tokens, each request's time to first token, the
-median decode step while every request decodes (each step gives each of them a token), and the
-blocks spilled to host. Each run is its own process, so the GPU starts empty as a server's would.
+Reported per run: the pool and host tier in tokens, the device blocks of the host blocks' key copies
+and of the hot-block cache (`--key-copy-share`, `--hot-block-share`: 0 turns either off) and the
+share of chosen host blocks the cache served, each request's time to first token, the median
+decode step while every request decodes (each step gives each of them a token), and the blocks
+spilled to host. Each run is its own process, so the GPU starts empty as a server's would.
 JSON lines, then a Markdown table.
 """
 
@@ -80,6 +82,8 @@ def serve(contexts: int, context: int, offload_gib: float, num_blocks: int, args
             "pool_tokens": engine.num_blocks * block,
             "host_tokens": 0 if host is None else host.num_blocks * block,
             "key_copies": engine.shard.key_copy_slots or 0,
+            "hot_slots": engine.shard.hot_slots or 0,
+            "hot_hit_rate": hot_hit_rate(host),
             "ttft_s": [round(first[f"r{i}"], 2) for i in range(contexts)],
             "decode_ms": round(1e3 * steps[len(steps) // 2], 3) if steps else None,
             "decode_steps": len(steps),
@@ -88,6 +92,14 @@ def serve(contexts: int, context: int, offload_gib: float, num_blocks: int, args
             "startup_s": round(startup, 1),
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
         }
+
+
+def hot_hit_rate(host) -> float | None:
+    """The share of chosen host blocks read from the hot-block cache over the run (None: no cache)."""
+    if host is None or host.hot_blocks is None:
+        return None
+    hits, misses = host.hot_blocks.counts()
+    return round(hits / max(1, hits + misses), 3)
 
 
 def main() -> None:
@@ -103,6 +115,10 @@ def main() -> None:
     parser.add_argument(
         "--key-copy-share", type=float,
         help="the most of the KV budget the host blocks' key copies take (default: the engine's; 0: none)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--hot-block-share", type=float,
+        help="the most of the KV budget the hot-block cache takes (default: the engine's; 0: none)",
     )  # fmt: skip
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--layers", type=int, default=32)
@@ -123,6 +139,10 @@ def main() -> None:
             from tgserve.server.engine import model_shard
 
             model_shard.KEY_COPY_SHARE = args.key_copy_share
+        if args.hot_block_share is not None:
+            from tgserve.server.engine import model_shard
+
+            model_shard.HOT_BLOCK_SHARE = args.hot_block_share
         shape, *rest = args.one.split(":")
         contexts, context = (int(n) for n in shape.split("x"))
         offload, blocks = (rest + ["0", "0"])[:2]
@@ -130,14 +150,14 @@ def main() -> None:
         return
     rows = each_in_its_own_process(args.runs)
     print(
-        "| contexts | context | pool tokens | host tokens | key copies | TTFT s | decode ms/step | spilled blocks "
-        "| preemptions |"
+        "| contexts | context | pool tokens | host tokens | key copies | hot blocks | hot hit rate | TTFT s "
+        "| decode ms/step | spilled blocks | preemptions |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['contexts']} | {r['context']:,} | {r['pool_tokens']:,} | {r['host_tokens']:,} | {r['key_copies']:,} | "
-              f"{', '.join(map(str, r['ttft_s']))} | {r['decode_ms']} | {r['spilled_blocks']:,} | "
-              f"{r['preemptions']} |")  # fmt: skip
+              f"{r['hot_slots']:,} | {r['hot_hit_rate']} | {', '.join(map(str, r['ttft_s']))} | {r['decode_ms']} | "
+              f"{r['spilled_blocks']:,} | {r['preemptions']} |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -8,6 +8,11 @@ that the previous step chose too (a cache of the last step's picks), and that an
 steps chose (a cache up to 4x the budget), the sink and recent window left out of both counts.
 
     python benchmarks/selection_reuse.py [--budget 1024] [--placements 4] [--out docs/benchmarks]
+
+With `--num-blocks N --kv-offload-gb G`, a pool smaller than the prompt: the context spills to
+the host tier as it is prefilled, and the hot-block cache (`--hot-block-share`, of the pool's
+bytes) serves the chosen host blocks it holds; its hit rate (chosen host blocks read from the
+cache, every layer and head) is reported beside the reuse shares.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 
 from tgserve.kernels import dispatch
 from tgserve.server.config.engine_args import EngineArgs
+from tgserve.server.engine import model_shard
 from tgserve.server.engine.llm_engine import LLMEngine
 from tgserve.server.loading.default_model import default_model_gguf
 from tgserve.server.protocol.params import SamplingParams
@@ -81,13 +87,22 @@ def main() -> None:
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--num-blocks", type=int, help="the KV pool's blocks (default: sized by the engine)")
+    parser.add_argument("--kv-offload-gb", type=float, default=0.0, help="the host tier (0: off)")
+    parser.add_argument(
+        "--hot-block-share", type=float, help="the hot-block cache's share of the pool's bytes"
+    )
     args = parser.parse_args()
+    if args.hot_block_share is not None:  # a design parameter, not a flag: the engine's, replaced
+        model_shard.HOT_BLOCK_SHARE = args.hot_block_share
     # No CUDA graphs: the recorder reads every choice back as it is made.
     engine = LLMEngine(
         EngineArgs(model=args.model or str(default_model_gguf()), device=args.device, dtype=args.dtype,
                    load_format=args.load_format, decode_attention_budget=args.budget,
-                   decode_attention_min_context=1024, max_num_batched_tokens=2048, cuda_graphs=False)
+                   decode_attention_min_context=1024, max_num_batched_tokens=2048, cuda_graphs=False,
+                   num_blocks=args.num_blocks, kv_offload_gb=args.kv_offload_gb)
     )  # fmt: skip
+    hot = None if engine.shard.host_pool is None else engine.shard.host_pool.hot_blocks
     selection, block = engine.shard.selection, engine.args.block_size
     num_layers = len([s for s in engine.shard.specs if s.summary_dtype is not None])
     sink, recent = selection.sink_blocks(block), selection.recent_blocks(block)
@@ -107,13 +122,17 @@ def main() -> None:
             return set(range(sink)) | set(range(blocks - recent - 1, blocks))
 
         last, window = reuse(recorder.calls, num_layers, forced, 4)
-        rows.append((placement.depth, last, window, len(recorder.calls) // num_layers))
-        print(f"depth {placement.depth:.2f}: steps {rows[-1][3]}, previous step {last:.3f}, last 4 steps {window:.3f}",
+        hits, misses = (0, 0) if hot is None else hot.counts()
+        rate = hits / max(1, hits + misses)  # since the start: over every placement so far
+        rows.append((placement.depth, last, window, len(recorder.calls) // num_layers, rate))
+        print(f"depth {placement.depth:.2f}: steps {rows[-1][3]}, previous step {last:.3f}, last 4 steps {window:.3f}"
+              + ("" if hot is None else f", hot-block hits so far {hits} of {hits + misses} ({rate:.3f})"),
               flush=True)  # fmt: skip
-    print("| budget | placements | picks the previous step made too | picks one of the last 4 steps made |")
-    print("|---|---|---|---|")
+    print("| budget | placements | picks the previous step made too | picks one of the last 4 steps made "
+          "| chosen host blocks read from the hot-block cache |")  # fmt: skip
+    print("|---|---|---|---|---|")
     print(f"| {args.budget} | {len(rows)} | {statistics.fmean(r[1] for r in rows):.3f} | "
-          f"{statistics.fmean(r[2] for r in rows):.3f} |")  # fmt: skip
+          f"{statistics.fmean(r[2] for r in rows):.3f} | {'-' if hot is None else f'{rows[-1][4]:.3f}'} |")  # fmt: skip
 
 
 if __name__ == "__main__":

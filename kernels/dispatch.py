@@ -9,6 +9,7 @@ TRITON_INTERPRET before the first @triton.jit, stays unaffected).
                       or, with a selection, over the blocks chosen per KV head
     select_decode_blocks
                       selective decode: the blocks each decode query attends (decode_selection.py)
+    fill_from_host    heads of host-tier blocks copied into device blocks (the hot-block cache)
     update_key_summaries
                       a step's keys folded into their blocks' key summaries
     paged_prefill     varlen queries over the paged cache: chunked prefill, prefix hits, mixed steps
@@ -87,6 +88,7 @@ def paged_decode(
     key_summary: torch.Tensor | None = None,
     host: tuple[torch.Tensor, torch.Tensor | None, int] | None = None,
     sinks: torch.Tensor | None = None,
+    hot: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence over its paged context: the split-context decode kernel on CUDA.
 
@@ -98,7 +100,9 @@ def paged_decode(
     key_summary: the layer's key summaries, which the step's keys are folded into. host: (host
     blocks' cache, their scales or None, first host id): table entries from that id on name host
     blocks, read where they lie (the long-context tier). sinks: float32 [num_heads], learned
-    per-head sink logits (gpt-oss): a key of zero value in every row's softmax.
+    per-head sink logits (gpt-oss): a key of zero value in every row's softmax. hot: with host and
+    selection, int32 [num_kv_heads, host blocks]: the device block holding each KV head of a host
+    block, or -1 (the hot-block cache, `server/kv_cache/hot_blocks.py`), read there instead.
     """
     assert selection is None or sliding_window is None, "selection is for full-attention layers"
     if use_triton(query):
@@ -106,19 +110,37 @@ def paged_decode(
 
         return triton_paged_decode(query, kv_cache, block_tables, seq_lens, scale, sliding_window, softcap, out,
                                    max_seq_len=max_seq_len, step_kv=step_kv, kv_scale=kv_scale, selection=selection,
-                                   key_summary=key_summary, host=host, sinks=sinks)  # fmt: skip
+                                   key_summary=key_summary, host=host, sinks=sinks, hot=hot)  # fmt: skip
     if step_kv is not None:
         reference.write_kv(*step_kv[:2], kv_cache, step_kv[2], kv_scale)
         if key_summary is not None:
             update_key_summaries(step_kv[0], step_kv[2], key_summary, kv_cache.shape[2])
     if selection is not None:
         result = reference.selected_decode(query, kv_cache, block_tables, seq_lens, *selection, scale, softcap,
-                                           kv_scale, host, sinks)  # fmt: skip
+                                           kv_scale, host, sinks, hot)  # fmt: skip
         return result if out is None else out.copy_(result)
     one_query_each = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
     result = reference.paged_attention(query, kv_cache, block_tables, one_query_each, seq_lens, scale,
                                        sliding_window, softcap, kv_scale=kv_scale, host=host, sinks=sinks)  # fmt: skip
     return result if out is None else out.copy_(result)
+
+
+def fill_from_host(
+    kv_cache: torch.Tensor,
+    kv_scale: torch.Tensor | None,
+    host_cache: torch.Tensor,
+    host_scale: torch.Tensor | None,
+    sources: torch.Tensor,
+    targets: torch.Tensor,
+) -> None:
+    """Copy heads of host blocks into device blocks (`kernels/host_fill.py`): the hot-block cache's
+    fill, one launch a layer on CUDA, read from pinned host memory in place."""
+    if use_triton(kv_cache):
+        from tgserve.kernels.host_fill import fill_from_host as triton_fill_from_host
+
+        triton_fill_from_host(kv_cache, kv_scale, host_cache, host_scale, sources, targets)
+    else:
+        reference.fill_from_host(kv_cache, kv_scale, host_cache, host_scale, sources, targets)
 
 
 def select_decode_blocks(

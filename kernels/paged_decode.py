@@ -92,6 +92,8 @@ def _decode_kernel(
     stride_h_block,
     stride_hs_block,
     sinks_ptr,
+    hot_ptr,
+    stride_hot,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -112,6 +114,7 @@ def _decode_kernel(
     SCALE_AHEAD: tl.constexpr = False,
     TAIL_N: tl.constexpr = 0,
     SINKS: tl.constexpr = False,
+    HOT: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     seq = tl.program_id(0)
@@ -124,6 +127,7 @@ def _decode_kernel(
     # whole table.
     chosen_row = chosen_ptr
     chosen_len = 0
+    hot_row = hot_ptr + kv_head * stride_hot  # this head's hot-block map (HOT)
     current = (ctx - 1) // BLOCK_SIZE  # the current block's column
     if SELECT:
         chosen_len = tl.load(chosen_lens_ptr + seq)
@@ -177,21 +181,22 @@ def _decode_kernel(
     # token; the likely reason whole contexts ran faster this way too (FP8_HALF_TAIL).
     whole_end = hi if TAIL_N == 0 else lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
     if SCALE_AHEAD:  # the first tile's scales, before the loop (see FP8_SCALES_AHEAD)
-        pos, in_ctx, page = _tile_pages(lo, whole_end, table, chosen_row, chosen_len, last, current, BLOCK_N,
-                                        BLOCK_SIZE, SELECT)  # fmt: skip
+        pos, in_ctx, page = _tile_pages(lo, whole_end, table, chosen_row, chosen_len, last, current, hot_row,
+                                        num_device_blocks, BLOCK_N, BLOCK_SIZE, SELECT, HOT)  # fmt: skip
         next_k_scale, next_v_scale = _tile_scales(ks_ptr, vs_ptr, hks_ptr, hvs_ptr, page, pos, in_ctx, kv_head,
                                                   num_kv_heads, num_device_blocks, stride_hs_block, BLOCK_SIZE,
                                                   HOST)  # fmt: skip
     for start in tl.range(lo, whole_end, BLOCK_N, num_stages=2):
-        pos, in_ctx, page = _tile_pages(start, whole_end, table, chosen_row, chosen_len, last, current, BLOCK_N,
-                                        BLOCK_SIZE, SELECT)  # fmt: skip
+        pos, in_ctx, page = _tile_pages(start, whole_end, table, chosen_row, chosen_len, last, current, hot_row,
+                                        num_device_blocks, BLOCK_N, BLOCK_SIZE, SELECT, HOT)  # fmt: skip
         k_scale, v_scale = 1.0, 1.0  # unread without an fp8 cache
         if SCALE_AHEAD:
             # This tile's scales came a tile ago; the next tile's are loaded now, their latency
             # hidden behind this tile's products.
             k_scale, v_scale = next_k_scale, next_v_scale
             ahead, ahead_in_ctx, ahead_page = _tile_pages(start + BLOCK_N, whole_end, table, chosen_row, chosen_len,
-                                                          last, current, BLOCK_N, BLOCK_SIZE, SELECT)  # fmt: skip
+                                                          last, current, hot_row, num_device_blocks, BLOCK_N,
+                                                          BLOCK_SIZE, SELECT, HOT)  # fmt: skip
             next_k_scale, next_v_scale = _tile_scales(ks_ptr, vs_ptr, hks_ptr, hvs_ptr, ahead_page, ahead,
                                                       ahead_in_ctx, kv_head, num_kv_heads, num_device_blocks,
                                                       stride_hs_block, BLOCK_SIZE, HOST)  # fmt: skip
@@ -205,7 +210,8 @@ def _decode_kernel(
     if TAIL_N > 0:  # (names of their own: Triton keeps a name's shape across the loops)
         for half_start in tl.range(whole_end, hi, TAIL_N):
             half_pos, half_in_ctx, half_page = _tile_pages(half_start, hi, table, chosen_row, chosen_len, last,
-                                                           current, TAIL_N, BLOCK_SIZE, SELECT)  # fmt: skip
+                                                           current, hot_row, num_device_blocks, TAIL_N, BLOCK_SIZE,
+                                                           SELECT, HOT)  # fmt: skip
             half_k_scale, half_v_scale = 1.0, 1.0
             if SCALED:
                 half_k_scale, half_v_scale = _tile_scales(ks_ptr, vs_ptr, hks_ptr, hvs_ptr, half_page, half_pos,
@@ -286,10 +292,12 @@ def _attend_pages(acc, m_i, l_i, q, pos, in_ctx, page, k_scale, v_scale, first, 
 
 
 @triton.jit
-def _tile_pages(start, hi, table, chosen_row, chosen_len, last, current, BLOCK_N: tl.constexpr,
-                BLOCK_SIZE: tl.constexpr, SELECT: tl.constexpr):  # fmt: skip
+def _tile_pages(start, hi, table, chosen_row, chosen_len, last, current, hot_row, num_device_blocks,
+                BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SELECT: tl.constexpr, HOT: tl.constexpr):  # fmt: skip
     """The tile from `start`: its positions in the context read, which are in it (< hi), and the
-    page of each (a per-token block-table lookup: tiles may span several pages of any size)."""
+    page of each (a per-token block-table lookup: tiles may span several pages of any size). With
+    HOT, a host page this KV head has in the hot-block cache (`hot_row`, by host block: a device
+    block or -1) is read from that device block instead."""
     pos = start + tl.arange(0, BLOCK_N)
     in_ctx = pos < hi
     column = pos // BLOCK_SIZE
@@ -300,6 +308,10 @@ def _tile_pages(start, hi, table, chosen_row, chosen_len, last, current, BLOCK_N
         mapped = tl.load(chosen_row + column, mask=in_ctx & chosen, other=0)
         column = tl.where(chosen, mapped, tl.where(through, current, column))
     page = tl.load(table + column, mask=in_ctx, other=0).to(tl.int64)
+    if HOT:
+        away = in_ctx & (page >= num_device_blocks)
+        cached = tl.load(hot_row + tl.where(away, page - num_device_blocks, 0), mask=away, other=-1)
+        page = tl.where(cached >= 0, cached.to(tl.int64), page)
     return pos, in_ctx, page
 
 
@@ -526,6 +538,7 @@ def paged_decode(
     key_summary: torch.Tensor | None = None,
     host: tuple[torch.Tensor, torch.Tensor | None, int] | None = None,
     sinks: torch.Tensor | None = None,
+    hot: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention over the paged cache; returns (or fills) out [num_seqs, num_heads, head_dim].
 
@@ -544,6 +557,9 @@ def paged_decode(
     (the pool's block count, scratch blocks aside) name host block entry - first, read in place. The
     step's own slot is in the device pool.
     sinks: float32 [num_heads], learned per-head sink logits (a key of zero value in every row).
+    hot: int32 [num_kv_heads, >= host_blocks], with `host` and `selection`: per KV head, the device
+    block holding that head of each host block (the hot-block cache, `server/kv_cache/hot_blocks.py`)
+    or -1; the chosen host blocks it holds are read there instead of over the link.
     """
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
@@ -575,6 +591,8 @@ def paged_decode(
     host_scales = scales if host_scale is None else (host_scale[0], host_scale[1])
     assert host_scale is None or host_scale.stride()[2:] == kv_scale.stride()[2:]
     assert (host_scale is None) == (kv_scale is None or host is None)
+    assert hot is None or (host is not None and selection is not None and hot.stride(1) == 1)
+    hot_map = seq_lens if hot is None else hot  # unread without HOT
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
         query, kv_cache[0], kv_cache[1], *scales, block_tables, seq_lens, out, part_o, part_ml, counters,
         new_k, new_v, slots, chosen, chosen_lens, summary, chosen.stride(0), chosen.stride(1),
@@ -587,6 +605,7 @@ def paged_decode(
         group, head_dim, splits,
         host_cache[0], host_cache[1], *host_scales, first_host_id, host_cache.stride(1),
         host_scales[0].stride(0), seq_lens if sinks is None else sinks.float().contiguous(),
+        hot_map, hot_map.stride(0),
         BLOCK_SIZE=block_size, BLOCK_G=pow2(group), BLOCK_D=block_d, BLOCK_N=block_n,
         USE_SOFTCAP=softcap is not None, USE_WINDOW=sliding_window is not None,
         SPLIT=splits > 1, PRECISION=dot_precision(query.dtype),
@@ -595,7 +614,7 @@ def paged_decode(
         F16_PRODUCTS=kv_scale is not None and query.dtype != torch.float32,
         HOST=host is not None, SCALE_AHEAD=kv_scale is not None and FP8_SCALES_AHEAD,
         TAIL_N=block_n // 2 if kv_scale is not None and FP8_HALF_TAIL else 0, SINKS=sinks is not None,
-        num_warps=num_warps, **pdl(query),
+        HOT=hot is not None, num_warps=num_warps, **pdl(query),
     )  # fmt: skip
     return out
 

@@ -63,6 +63,26 @@ def with_host_blocks(
     return joined, torch.cat([kv_scale, host_scale], dim=1)
 
 
+def fill_from_host(
+    kv_cache: torch.Tensor,
+    kv_scale: torch.Tensor | None,
+    host_cache: torch.Tensor,
+    host_scale: torch.Tensor | None,
+    sources: torch.Tensor,  # int64 [num_kv_heads, picks]: host blocks
+    targets: torch.Tensor,  # int64 [num_kv_heads, picks]: device blocks, -1: nothing to copy
+) -> None:
+    """The hot-block cache's fill (`kernels/host_fill.py`): for every (head, pick) with a target,
+    that head's keys and values (and scales) of host block sources[head, pick] into device block
+    targets[head, pick]."""
+    heads, picks = (targets >= 0).nonzero(as_tuple=True)
+    src, dst = sources[heads, picks], targets[heads, picks]
+    for side in (0, 1):
+        # As bytes: torch's CPU indexing takes no float8 tensors.
+        kv_cache[side].view(torch.uint8)[dst, :, heads] = host_cache[side].view(torch.uint8)[src, :, heads]
+        if kv_scale is not None:
+            kv_scale[side][dst, heads] = host_scale[side][src, heads]
+
+
 def gather_kv(
     kv_cache: torch.Tensor,
     block_table: torch.Tensor,
@@ -304,10 +324,12 @@ def selected_decode(
     kv_scale: torch.Tensor | None = None,
     host: tuple[torch.Tensor, torch.Tensor | None, int] | None = None,
     sinks: torch.Tensor | None = None,
+    hot: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Selective decode (`kernels/decode_selection.py`): each KV head's query heads attend over
     the keys of that head's chosen blocks and the current block, as if they were the context
-    (`host`: as `gather_kv` reads it; sinks: as `masked_attention` takes them)."""
+    (`host`: as `gather_kv` reads it; sinks: as `masked_attention` takes them; `hot`: per KV head
+    the device block holding each host block, or -1, read instead: `paged_decode`'s)."""
     out = torch.zeros_like(query)
     num_kv, block_size = kv_cache.shape[3], kv_cache.shape[2]
     group = query.shape[1] // num_kv
@@ -319,12 +341,20 @@ def selected_decode(
                 if kept > 0
                 else (block_tables[s], n)
             )
+            if hot is not None:
+                table = _through_hot_blocks(table, hot[h], host[2])
             k, v = gather_kv(kv_cache, table, length, kv_scale, host)
             heads = slice(h * group, (h + 1) * group)
             allowed = torch.ones(1, length, dtype=torch.bool, device=query.device)
             out[s, heads] = masked_attention(query[s : s + 1, heads], k[:, h : h + 1], v[:, h : h + 1], allowed,
                                              scale, softcap, sinks=None if sinks is None else sinks[heads])[0]  # fmt: skip
     return out
+
+
+def _through_hot_blocks(table: torch.Tensor, hot_row: torch.Tensor, first: int) -> torch.Tensor:
+    """`table` with each host block (entry >= first) that `hot_row` maps to a device block replaced by it."""
+    cached = hot_row[(table.long() - first).clamp(min=0)].to(table.dtype)
+    return torch.where((table >= first) & (cached >= 0), cached, table)
 
 
 def varlen_attention(

@@ -11,6 +11,7 @@ import torch
 from tgserve.kernels import reference
 from tgserve.kernels.block_scores import block_scores, candidate_scores
 from tgserve.kernels.fp8_format import dequantize_kv, quantize_kv
+from tgserve.kernels.host_fill import fill_from_host
 from tgserve.kernels.paged_decode import paged_decode
 from tgserve.kernels.paged_prefill import paged_prefill
 from tgserve.kernels.testing import PagedBatch, make_paged_batch, with_fp8_cache
@@ -198,3 +199,90 @@ def test_candidate_rescoring_reads_device_key_copies_of_host_blocks(device, dtyp
         else torch.allclose(twin, pooled, atol=2e-2)
     )
     assert torch.allclose(got.cpu(), twin, atol=2e-2 if dtype == torch.float16 else 1e-4, rtol=1e-3)
+
+
+def _with_spare_blocks(batch: PagedBatch, count: int) -> PagedBatch:
+    """The batch with `count` NaN-poisoned device blocks appended to its pool (and its scales)."""
+    cache = batch.kv_cache
+    spare = torch.full((2, count, *cache.shape[2:]), float("nan"), device=cache.device).to(cache.dtype)
+    scale = batch.kv_scale
+    if scale is not None:
+        scale = torch.cat(
+            [scale, torch.full((2, count, *scale.shape[2:]), float("nan"), device=scale.device)], 1
+        )
+    joined = torch.cat([cache.view(torch.uint8), spare.view(torch.uint8)], dim=1).view(cache.dtype)
+    return PagedBatch(batch.query, batch.key, batch.value, joined, batch.block_tables, batch.query_start_loc,
+                      batch.seq_lens, batch.slot_mapping, scale)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype,fp8", [(torch.float32, False), (torch.float16, False), (torch.float16, True)])
+def test_fill_from_host_copies_the_chosen_heads_of_host_blocks(device, dtype, fp8):
+    batch = make_paged_batch([1, 1], [64, 40], 8, 2, 32, 8, dtype, device, seed=11)
+    if fp8:
+        batch = with_fp8_cache(batch)
+    batch = _with_spare_blocks(batch, 6)
+    first = batch.kv_cache.shape[1]
+    tables, host, moves = _moved_to_host(batch, every=1)
+    # Head 0 takes host blocks 0, 2 and 4 into slots first-6.., head 1 host block 1; the rest nothing.
+    sources = torch.tensor([[0, 2, 4, 3], [1, 0, 0, 0]], device=device)
+    targets = torch.tensor([[first - 6, first - 5, first - 4, -1], [first - 3, -1, -1, -1]], device=device)
+    want_cache, want_scale = (
+        batch.kv_cache.cpu().clone(),
+        None if batch.kv_scale is None else batch.kv_scale.cpu().clone(),
+    )
+    reference.fill_from_host(want_cache, want_scale, host[0].cpu(), None if host[1] is None else host[1].cpu(),
+                             sources.cpu(), targets.cpu())  # fmt: skip
+    fill_from_host(batch.kv_cache, batch.kv_scale, host[0], host[1], sources, targets)
+    got = batch.kv_cache.cpu()
+    assert torch.equal(got.view(torch.uint8), want_cache.view(torch.uint8))
+    # What was copied is the host block's head, and only it.
+    assert torch.equal(got[:, first - 6, :, 0].view(torch.uint8), host[0][:, 0, :, 0].cpu().view(torch.uint8))
+    assert torch.isnan(got[:, first - 6, :, 1].float()).all() and torch.isnan(got[:, first - 2].float()).all()
+    if fp8:
+        assert torch.allclose(batch.kv_scale.cpu(), want_scale, equal_nan=True)
+        assert torch.equal(batch.kv_scale.cpu()[:, first - 3, 1], host[1][:, 1, 1].cpu())
+
+
+@pytest.mark.parametrize("dtype,fp8", [(torch.float32, False), (torch.float16, True)])
+def test_selective_decode_reads_held_host_blocks_on_the_device(device, dtype, fp8):
+    """Host blocks whose head the hot-block map holds are read from that device block: their host
+    rows poisoned for that head, the output is still the all-device one, bit for bit."""
+    batch = make_paged_batch([1, 1], [200, 97], 8, 2, 32, 8, dtype, device, seed=6)
+    if fp8:
+        batch = with_fp8_cache(batch)
+    chosen = torch.tensor([[[0, 5, 9], [2, 3, 20]], [[1, 4, 7], [0, 6, 10]]], device=device)
+    lengths = torch.tensor(
+        [3 * 8 + (200 - 1) % 8 + 1, 3 * 8 + (97 - 1) % 8 + 1], dtype=torch.int32, device=device
+    )
+    args = (batch.query,)
+    want = paged_decode(*args, batch.kv_cache, batch.block_tables, batch.seq_lens, 0.3,
+                        selection=(chosen, lengths), kv_scale=batch.kv_scale)  # fmt: skip
+    batch = _with_spare_blocks(batch, 8)
+    first = batch.kv_cache.shape[1]
+    tables, host, _ = _moved_to_host(batch, every=1)
+    # Head h of each sequence's first two chosen blocks held in slots; their host rows poisoned.
+    hot = torch.full((2, host[0].shape[1] + 1), -1, dtype=torch.int32, device=device)
+    sources, targets = [], []
+    for head in (0, 1):
+        picks = [int(tables[s, chosen[s, head, j]]) - first for s in (0, 1) for j in (0, 1)]
+        slots = [first - 8 + 4 * head + i for i in range(4)]
+        hot[head, picks] = torch.tensor(slots, dtype=torch.int32, device=device)
+        sources.append(picks)
+        targets.append(slots)
+    sources, targets = torch.tensor(sources, device=device), torch.tensor(targets, device=device)
+    fill_from_host(batch.kv_cache, batch.kv_scale, host[0], host[1], sources, targets)
+    for head in (0, 1):
+        host[0].view(torch.uint8)[:, sources[head].cpu(), :, head] = 0x7F
+        if fp8:  # (e4m3's NaN need not survive the widening to f16: the scales carry the poison)
+            host[1][:, sources[head].cpu(), head] = float("nan")
+    kwargs = dict(selection=(chosen, lengths), kv_scale=batch.kv_scale, host=host)
+    got = paged_decode(*args, batch.kv_cache, tables, batch.seq_lens, 0.3, hot=hot, **kwargs)
+    assert torch.equal(got, want)
+    unheld = paged_decode(*args, batch.kv_cache, tables, batch.seq_lens, 0.3, **kwargs)
+    assert not torch.isfinite(unheld).all(), "without the map the poisoned host rows are read"
+    twin = reference.selected_decode(batch.query.cpu(), batch.kv_cache.cpu(), tables.cpu(), batch.seq_lens.cpu(),
+                                     chosen.cpu(), lengths.cpu(), 0.3,
+                                     kv_scale=None if batch.kv_scale is None else batch.kv_scale.cpu(),
+                                     host=(host[0].cpu(), None if host[1] is None else host[1].cpu(), host[2]),
+                                     hot=hot.cpu())  # fmt: skip
+    assert (twin - want.cpu().float()).abs().max() < 5e-3

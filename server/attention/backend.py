@@ -16,6 +16,7 @@ from torch import nn
 
 from tgserve.kernels.decode_selection import DecodeSelection
 from tgserve.server.attention.metadata import AttentionMetadata
+from tgserve.server.kv_cache.hot_blocks import HotLayer
 from tgserve.server.kv_cache.key_copies import LayerKeyCopy
 from tgserve.server.kv_cache.spec import KVCacheSpec
 
@@ -31,6 +32,7 @@ class HostBlocks:
     scale: torch.Tensor | None = None  # an fp8 cache's scales, [2, host_blocks, num_kv_heads, block_size]
     summary: torch.Tensor | None = None  # key summaries, [2, host_blocks, num_kv_heads, head_dim]
     key_copy: LayerKeyCopy | None = None  # device copies of some host blocks' keys (rescoring reads them)
+    hot: HotLayer | None = None  # chosen host blocks kept in device blocks, per KV head (decode reads them)
 
     @property
     def blocks(self) -> tuple[torch.Tensor, torch.Tensor | None, int]:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tgserve.kernels import dispatch
-from tgserve.kernels.decode_selection import DecodeSelection, chosen_mask
+from tgserve.kernels.decode_selection import DecodeSelection, chosen_mask, selected_lengths
 from tgserve.kernels.fp8_format import dequantize_kv
 from tgserve.kernels.reference import (
     causal_mask,
@@ -26,6 +26,7 @@ from tgserve.kernels.reference import (
 )
 from tgserve.server.attention.backend import AttentionBackend, AttentionLayerParams, HostBlocks, StepPlan
 from tgserve.server.attention.metadata import AttentionMetadata
+from tgserve.server.kv_cache.hot_blocks import admit_and_fill
 
 
 def attend(
@@ -181,7 +182,35 @@ def gathered_blocks(
     From an fp8 cache they come dequantized, in float32; blocks spilled to host from `host`."""
     batch = group.query_pos.shape[0]
     keys, values = paged_blocks(kv_cache, kv_scale, host, group.block_ids)
+    if host is not None and host.hot is not None:
+        keys, values = _through_hot_blocks(keys, values, kv_cache, kv_scale, host, group.block_ids)
     return keys.view(batch, -1, *keys.shape[1:]), values.view(batch, -1, *values.shape[1:])
+
+
+def _through_hot_blocks(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_scale: torch.Tensor | None,
+    host: HostBlocks,
+    ids: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """keys and values [len(ids) * block_size, H_kv, D] with every KV head of a host block that
+    the hot-block cache holds read from its device block, as the CUDA decode kernel reads it."""
+    on_host = ids >= host.first
+    held = host.hot.map[:, torch.where(on_host, ids - host.first, host.hot.none_block)].long()
+    held = torch.where(on_host[None, :], held, -1)  # [H_kv, len(ids)]
+    if not bool((held >= 0).any()):
+        return keys, values
+    shape = (len(ids), kv_cache.shape[2], *keys.shape[1:])
+    keys, values = keys.view(shape).clone(), values.view(shape).clone()
+    for head, row in enumerate(held):
+        at = (row >= 0).nonzero()[:, 0]
+        if at.numel():
+            cached_keys, cached_values = paged_blocks(kv_cache, kv_scale, None, row[at])
+            keys[at, :, head] = cached_keys.view(len(at), *shape[1:])[:, :, head].to(keys.dtype)
+            values[at, :, head] = cached_values.view(len(at), *shape[1:])[:, :, head].to(values.dtype)
+    return keys.flatten(0, 1), values.flatten(0, 1)
 
 
 def sequence_kv(
@@ -219,6 +248,10 @@ def chosen_positions(
         # Blocks on host among them: select over the group's own blocks.
         summary, cache, scale, tables = _group_blocks(kv_cache, group, layer)
     chosen = dispatch.select_decode_blocks(query, summary, tables, seq_lens, selection, cache, scale)
+    if layer.host is not None and layer.host.hot is not None:
+        lengths = selected_lengths(seq_lens, chosen.shape[2] + 1, block_size, group.selected)
+        admit_and_fill(layer.host.hot, chosen, group.block_ids.view(batch, num_blocks), lengths, kv_cache,
+                       layer.kv_scale, layer.host.cache, layer.host.scale)  # fmt: skip
     keep = chosen_mask(chosen, seq_lens, num_blocks, block_size) | ~group.selected[:, None, None]
     group_size = query.shape[1] // keep.shape[1]
     return keep.repeat_interleave(group_size, 1).repeat_interleave(block_size, 2)[:, :, None, :]
@@ -269,10 +302,10 @@ def decode_attention(
     (and, selecting, masked to the chosen blocks)."""
     batch, num_heads, dim = query.shape
     block_size = kv_cache.shape[2]
-    keys, values = gathered_blocks(kv_cache, layer.kv_scale, group, layer.host)
     allowed = decode_mask(group, block_size, layer.spec.sliding_window)
     if group.selected is not None and layer.key_summary is not None:
         allowed = allowed & chosen_positions(query, kv_cache, group, layer, selection)
+    keys, values = gathered_blocks(kv_cache, layer.kv_scale, group, layer.host)
     if layer.softcap is None and layer.sinks is None:
         out = F.scaled_dot_product_attention(
             query[:, :, None, :],

@@ -17,7 +17,9 @@ folds the keys it stores into their blocks' summaries.
 With the long-context tier (`--kv-offload-gb`), block-table entries past the pool's blocks name
 blocks a request spilled to pinned host memory, and every kernel that reads the paged cache (decode,
 paged prefill, block selection) reads them there, over the link, within the same launch: the host
-never learns which blocks a step reads, so decode stays one captured graph.
+never learns which blocks a step reads, so decode stays one captured graph. Selective decode keeps
+the host blocks it chooses in the hot-block cache (`kv_cache/hot_blocks.py`), admitted on the device
+after each layer's choice, and reads those it chose before from there.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from tgserve.kernels.decode_selection import DecodeSelection
 from tgserve.kernels.sparse.config import SparseConfig
 from tgserve.server.attention.backend import AttentionBackend, AttentionLayerParams, HostBlocks, StepPlan
 from tgserve.server.attention.metadata import AttentionMetadata, rows_as_sequences
+from tgserve.server.kv_cache.hot_blocks import admit_and_fill
 
 
 class CudaPath(enum.Enum):
@@ -118,6 +121,18 @@ def _selection_host(
     return None if host is None else host.with_summaries
 
 
+def _admit_hot_blocks(
+    layer: AttentionLayerParams, chosen: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor, kv_cache
+) -> torch.Tensor | None:
+    """Where the layer has a hot-block cache: the step's choice admitted into it, the new entries
+    copied in; returns the map decode reads host blocks through (None without a cache)."""
+    host = layer.host
+    if host is None or host.hot is None:
+        return None
+    admit_and_fill(host.hot, chosen, tables, lengths, kv_cache, layer.kv_scale, host.cache, host.scale)
+    return host.hot.map
+
+
 class CudaAttentionBackend(AttentionBackend[CudaStepPlan]):
     """Paged attention with the Triton kernels; sparse prefill for prompts over the configured length."""
 
@@ -144,12 +159,13 @@ class CudaAttentionBackend(AttentionBackend[CudaStepPlan]):
     def forward(self, query, key, value, kv_cache, plan: CudaStepPlan, layer: AttentionLayerParams):
         metadata, window = plan.metadata, layer.spec.sliding_window
         if plan.path is CudaPath.DECODE:  # the kernel stores this step's keys and values itself
-            selection = None
+            selection, hot = None, None
             if plan.selected_lengths is not None and layer.key_summary is not None:
                 chosen = dispatch.select_decode_blocks(query, layer.key_summary, metadata.block_tables,
                                                        metadata.seq_lens, self.selection, kv_cache, layer.kv_scale,
                                                        _selection_host(layer.host))  # fmt: skip
                 selection = (chosen, plan.selected_lengths)
+                hot = _admit_hot_blocks(layer, chosen, metadata.block_tables, plan.selected_lengths, kv_cache)
             return dispatch.paged_decode(
                 query,
                 kv_cache,
@@ -165,6 +181,7 @@ class CudaAttentionBackend(AttentionBackend[CudaStepPlan]):
                 key_summary=layer.key_summary,
                 host=_host(layer.host),
                 sinks=layer.sinks,
+                hot=hot,
             )
         self._store(key, value, kv_cache, metadata, layer)
         if plan.path is CudaPath.FRESH:
@@ -208,10 +225,11 @@ class CudaAttentionBackend(AttentionBackend[CudaStepPlan]):
         chosen = dispatch.select_decode_blocks(query, layer.key_summary, tables, seq_lens, self.selection, kv_cache,
                                                layer.kv_scale, _selection_host(layer.host))  # fmt: skip
         bound = max(self.selection.min_context, self.selection.budget)
+        hot = _admit_hot_blocks(layer, chosen, tables, decodes.lengths, kv_cache)
         return dispatch.paged_decode(query, kv_cache, tables, seq_lens, layer.scale, None, layer.softcap,
                                      max_seq_len=bound, kv_scale=layer.kv_scale,
                                      selection=(chosen, decodes.lengths), host=_host(layer.host),
-                                     sinks=layer.sinks)  # fmt: skip
+                                     sinks=layer.sinks, hot=hot)  # fmt: skip
 
     def forward_rows(self, query, key, value, kv_cache, plan: CudaStepPlan, layer: AttentionLayerParams,
                      rows: torch.Tensor) -> torch.Tensor:  # fmt: skip

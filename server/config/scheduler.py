@@ -31,6 +31,9 @@ class SchedulerConfig:
     # only a budget of their blocks, wherever they lie); None: a request spills only its own
     # blocks, when it would otherwise preempt itself.
     spill_min_context: int | None = None
+    # The block id of host block 0 in block tables: None, num_blocks; past it where the pool keeps
+    # device blocks of its own after the block manager's (the hot-block cache's).
+    first_host_block_id: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size", "num_blocks"):

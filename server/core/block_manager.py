@@ -61,14 +61,19 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         host_tier: HostTier | None = None,
         spill_keep: tuple[int, int] | None = None,
+        first_host_id: int | None = None,
     ) -> None:
         """spill_keep: (first, last) blocks of a request that `spill` never moves to host; None:
-        requests never spill (the attention backend cannot read host blocks)."""
+        requests never spill (the attention backend cannot read host blocks). first_host_id: the
+        block id of host block 0 in a request's block list (default num_blocks: the pool's device
+        blocks past the block manager's, such as the hot-block cache's, come before it)."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._blocks = [_Block(i) for i in range(num_blocks)]
+        self.first_host_id = num_blocks if first_host_id is None else first_host_id
+        assert self.first_host_id >= num_blocks
         # Free blocks in reuse order (front first). An OrderedDict gives O(1) removal of a cached
         # block from the middle when a new request touches it.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
@@ -198,7 +203,7 @@ class BlockManager:
             return
         hashes = self._block_hashes(request, num_full)
         for i in range(start, num_full):
-            if block_ids[i] >= len(self._blocks):
+            if block_ids[i] >= self.first_host_id:
                 continue  # spilled to host: out of the device prefix cache
             block = self._blocks[block_ids[i]]
             # Two requests that computed the same prefix at once hold equal blocks; the first one
@@ -298,7 +303,7 @@ class BlockManager:
         (this step, before anything overwrites them) and free them here. False, changing nothing,
         without a host tier that can hold them all, or for a request with blocks spilled to host."""
         blocks = self._req_blocks.get(request.request_id, [])
-        spilled = any(block_id >= len(self._blocks) for block_id in blocks)
+        spilled = any(block_id >= self.first_host_id for block_id in blocks)
         held = None if self.host_tier is None or not blocks or spilled else self.host_tier.hold(blocks)
         if held is None:
             return False
@@ -340,7 +345,7 @@ class BlockManager:
         return [
             i
             for i in range(first, num_full)
-            if owned[i] < len(self._blocks) and self._blocks[owned[i]].ref_count == 1
+            if owned[i] < self.first_host_id and self._blocks[owned[i]].ref_count == 1
         ]
 
     def spill(self, request: Request, count: int, num_computed: int | None = None) -> bool:
@@ -365,7 +370,7 @@ class BlockManager:
             block.ref_count = 0
             self._free[block.block_id] = None
             self._free.move_to_end(block.block_id, last=False)  # reused first: it holds nothing now
-            owned[i] = len(self._blocks) + host_block
+            owned[i] = self.first_host_id + host_block
             moved.append((i, owned[i]))
         return True
 
@@ -385,13 +390,13 @@ class BlockManager:
             self.host_tier.release(self._swapped.pop(request_id))
         self._moved.pop(request_id, None)
         # Lookups bound once: a 128K-token prompt frees 8,192 blocks on its way to its only token.
-        blocks, free_list = self._blocks, self._free
+        blocks, free_list, first_host = self._blocks, self._free, self.first_host_id
         to_front = free_list.move_to_end
         owned = self._req_blocks.pop(request_id, [])
-        if spilled := [b - len(blocks) for b in owned if b >= len(blocks)]:
+        if spilled := [b - first_host for b in owned if b >= first_host]:
             self.host_tier.release(spilled)
         for block_id in reversed(owned):
-            if block_id >= len(blocks):
+            if block_id >= first_host:
                 continue
             block = blocks[block_id]
             block.ref_count -= 1

@@ -65,7 +65,12 @@ class Scheduler:
         # Its host memory may still be being allocated: the engine adds blocks as they are ready.
         host_tier = HostTier(config.num_host_blocks, ready=0) if config.num_host_blocks else None
         self.block_manager = block_manager or BlockManager(
-            config.num_blocks, config.block_size, config.enable_prefix_caching, host_tier, config.spill_keep
+            config.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            host_tier,
+            config.spill_keep,
+            config.first_host_block_id,
         )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is the newest

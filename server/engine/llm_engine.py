@@ -81,6 +81,7 @@ class LLMEngine:
                 num_host_blocks=self.shard.num_host_blocks,
                 spill_keep=self.shard.spill_keep,
                 spill_min_context=self.shard.spill_min_context,
+                first_host_block_id=self.shard.first_host_block_id,
             )
         )
         self._grow_host_tier()

@@ -54,6 +54,10 @@ DEFAULT_CPU_KV_BYTES = 2 << 30
 # block's copy costs a quarter of a bf16 block and saves its candidates' keys crossing the link
 # every step; the pool's blocks it takes spill instead, and their chosen keys and values cross.
 KEY_COPY_SHARE = 1 / 6
+# The most of the KV budget the hot-block cache may take (`HotBlockCache`: device blocks holding the
+# host blocks selective decode chose lately). Two 512K-token contexts of Llama-3-8B choose ~220 host
+# blocks a step per layer and KV head; 1/24 of a ~100 GiB budget is ~2,000 slots, nine steps' worth.
+HOT_BLOCK_SHARE = 1 / 24
 SPARSE_CONFIG_FILE = "sparse_attention.json"
 # Captured decode graphs size their context splits for this many tokens; longer contexts stay
 # correct (the last split runs to the end) but use fewer parallel splits.
@@ -75,6 +79,7 @@ class ModelShard:
     ) -> None:
         self.args, self.source, self.device, self.max_model_len = args, source, device, max_model_len
         self.key_copy_slots: int | None = None  # set as the pool is sized
+        self.hot_slots: int | None = None  # likewise: the hot-block cache's device blocks
         cache_dtype = kv_cache_dtype(args.kv_cache_dtype, dtype)  # a wrong name fails before the load
         # Before the weights: what others hold is not this server's, and a share that is not free
         # fails here rather than after a long load.
@@ -218,9 +223,15 @@ class ModelShard:
         return max(1, num_blocks_for_memory(self.specs, args.block_size, budget) - scratch)
 
     def _less_key_copies(self, budget: int) -> int:
-        """The KV budget less what the host blocks' key copies take of it (`key_copy_slots` set)."""
+        """The KV budget less what the host blocks' key copies and the hot-block cache take of it
+        (`key_copy_slots` and `hot_slots` set)."""
         self.key_copy_slots = self._key_copy_slots(budget)
-        return budget - self.key_copy_slots * self.key_copy_block_bytes
+        self.hot_slots = self._hot_slots(budget)
+        return (
+            budget
+            - self.key_copy_slots * self.key_copy_block_bytes
+            - self.hot_slots * self.device_block_bytes
+        )
 
     def _profile_step(self, num_tokens: int, num_seqs: int) -> MemoryProfile:
         """A prefill step of `num_tokens` over `num_seqs` sequences run on this GPU and measured."""
@@ -276,19 +287,23 @@ class ModelShard:
         """The KV pool, then the executor (CUDA graphs capture steps over the pool; static shapes
         are warmed up over it), then the runner that steps through them."""
         self.num_blocks = num_blocks
-        pool = num_blocks + self.backend.scratch_blocks
-        self.forward.allocate_pool(pool, self.args.block_size, self.device)
+        if self.key_copy_slots is None:  # a pool of blocks as given: copies and hot blocks beside its bytes
+            self.key_copy_slots = self._key_copy_slots(num_blocks * self.host_block_bytes)
+            self.hot_slots = self._hot_slots(num_blocks * self.device_block_bytes)
+        self.forward.allocate_pool(self.first_host_block_id, self.args.block_size, self.device)
         if self.num_host_blocks:
             self.host_pool = HostKVPool(self.forward.block_tensors(), self.num_host_blocks, self.device)
             if self.spill_keep is not None:
-                if self.key_copy_slots is None:  # a pool of blocks as given: copies beside its bytes
-                    self.key_copy_slots = self._key_copy_slots(num_blocks * self.host_block_bytes)
-                summaries, copies = self.forward.attach_host_tier(self.host_pool.layer_views(), num_blocks,
-                                                                  self.key_copy_slots)  # fmt: skip
-                self.host_pool.keep_on_device(summaries, copies)
+                first = self.first_host_block_id
+                summaries, copies, hot = self.forward.attach_host_tier(self.host_pool.layer_views(), first,
+                                                                       self.key_copy_slots, self.hot_slots)  # fmt: skip
+                self.host_pool.keep_on_device(summaries, copies, hot)
                 if copies is not None:
                     logger.info("keys of %d host blocks copied to the device for block selection (%.2f GiB)",
                                 copies.num_slots, copies.num_slots * self.key_copy_block_bytes / GIB)  # fmt: skip
+                if hot is not None:
+                    logger.info("hot-block cache: %d device blocks hold the host blocks decode chose lately "
+                                "(%.2f GiB)", hot.slots, hot.slots * self.device_block_bytes / GIB)  # fmt: skip
         executor = self._choose_executor()
         if self.static_executor is not None and self.buckets.warmup:
             self.static_executor.warm_up(self.args.block_size, self.device)
@@ -350,6 +365,24 @@ class ModelShard:
         KEY_COPY_SHARE of the KV budget."""
         per_block = self.key_copy_block_bytes
         return 0 if not per_block else min(self.num_host_blocks, int(budget * KEY_COPY_SHARE) // per_block)
+
+    @property
+    def device_block_bytes(self) -> int:
+        """Bytes of one block of this shard's pool, every layer's."""
+        return sum(spec.bytes_per_block(self.args.block_size) for spec in self.specs)
+
+    def _hot_slots(self, budget: int) -> int:
+        """Device blocks of the hot-block cache: HOT_BLOCK_SHARE of the KV budget, no more than the
+        host tier's blocks; none where the long-context tier does not select."""
+        if self.spill_min_context is None:
+            return 0
+        return min(self.num_host_blocks, int(budget * HOT_BLOCK_SHARE) // self.device_block_bytes)
+
+    @property
+    def first_host_block_id(self) -> int:
+        """The block-table id of host block 0: past the pool's blocks, its scratch blocks and the
+        hot-block cache's (`allocate` sets the pool)."""
+        return self.num_blocks + self.backend.scratch_blocks + (self.hot_slots or 0)
 
     @property
     def spill_min_context(self) -> int | None:

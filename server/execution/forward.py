@@ -11,6 +11,7 @@ from torch import nn
 from tgserve.server.attention.backend import AttentionBackend, HostBlocks
 from tgserve.server.attention.forward_context import ForwardContext, forward_context
 from tgserve.server.attention.metadata import AttentionMetadata
+from tgserve.server.kv_cache.hot_blocks import HotBlockCache
 from tgserve.server.kv_cache.key_copies import HostKeyCopies
 from tgserve.server.kv_cache.pool import allocate_key_summaries, allocate_kv_caches, allocate_kv_scales
 from tgserve.server.kv_cache.spec import KVCacheSpec
@@ -42,8 +43,8 @@ class ModelForward:
         self.key_summaries = allocate_key_summaries(self.specs, num_blocks, device)
 
     def attach_host_tier(
-        self, views: list[torch.Tensor], first: int, key_copy_slots: int = 0
-    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], HostKeyCopies | None]:
+        self, views: list[torch.Tensor], first: int, key_copy_slots: int = 0, hot_slots: int = 0
+    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], HostKeyCopies | None, HotBlockCache | None]:
         """The host tier's rows as every layer's pool tensors (`HostKVPool.layer_views`, in
         `block_tensors` order), whose block ids start at `first`: attention reads spilled blocks
         through them. The host blocks' key summaries are read from device memory instead (block
@@ -51,7 +52,9 @@ class ModelForward:
         token at a million tokens of Llama-3-8B); returns them as (device summaries, host blocks'
         summaries) per layer, for the host pool to keep up to date, and, given `key_copy_slots`,
         device copies of as many host blocks' keys (`HostKeyCopies`: what selection rescores
-        candidates from), for the host pool to fill."""
+        candidates from), for the host pool to fill; given `hot_slots`, the hot-block cache in the
+        pool's last `hot_slots` blocks before `first` (`HotBlockCache`: chosen host blocks that
+        decode then reads on the device), for the host pool to keep true."""
         rest, mirrors, self.host_blocks, selecting = iter(views), [], [], []
         per_layer = zip(self.kv_caches, self.kv_scales or [None] * len(self.kv_caches),
                         self.key_summaries or [None] * len(self.kv_caches), strict=True)  # fmt: skip
@@ -64,13 +67,24 @@ class ModelForward:
                 mirrors.append((summary, host_summary))
                 selecting.append((len(self.host_blocks), device_cache, scale))
             self.host_blocks.append(HostBlocks(first, cache, host_scale, host_summary))
-        if not key_copy_slots or not selecting:
-            return mirrors, None
+        if not selecting:
+            return mirrors, None, None
         host_blocks = self.host_blocks[selecting[0][0]].cache.shape[1]
-        copies = HostKeyCopies([(cache, scale) for _, cache, scale in selecting], key_copy_slots, host_blocks)
-        for (layer, _, _), copy in zip(selecting, copies.layers, strict=True):
-            self.host_blocks[layer] = replace(self.host_blocks[layer], key_copy=copy)
-        return mirrors, copies
+        copies, hot = None, None
+        if key_copy_slots:
+            copies = HostKeyCopies(
+                [(cache, scale) for _, cache, scale in selecting], key_copy_slots, host_blocks
+            )
+            for (layer, _, _), copy in zip(selecting, copies.layers, strict=True):
+                self.host_blocks[layer] = replace(self.host_blocks[layer], key_copy=copy)
+        if hot_slots:
+            num_kv_heads, device = selecting[0][1].shape[3], selecting[0][1].device
+            hot = HotBlockCache(
+                len(selecting), num_kv_heads, hot_slots, first - hot_slots, host_blocks, device
+            )
+            for (layer, _, _), hot_layer in zip(selecting, hot.layers, strict=True):
+                self.host_blocks[layer] = replace(self.host_blocks[layer], hot=hot_layer)
+        return mirrors, copies, hot
 
     def block_tensors(self) -> list[torch.Tensor]:
         """Every pool tensor indexed by block at dimension 1 ([2, num_blocks, ...]): what one block

@@ -23,7 +23,8 @@ registered cannot be registered again when the allocator hands the same addresse
 
 What block selection reads of host blocks stays in device memory, written as blocks offload: their
 key summaries (`keep_on_device`) and, in as many slots as were budgeted, copies of their keys in
-e4m3 (`key_copies.HostKeyCopies`).
+e4m3 (`key_copies.HostKeyCopies`). The hot-block cache (`hot_blocks.HotBlockCache`), which holds
+heads of host blocks that decode chose, forgets a block as it is offloaded into.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import torch
 
 from tgserve.server.core.host_tier import KVTransfers
 from tgserve.server.device.transfer import to_device
+from tgserve.server.kv_cache.hot_blocks import HotBlockCache
 from tgserve.server.kv_cache.key_copies import HostKeyCopies
 
 logger = logging.getLogger(__name__)
@@ -159,6 +161,7 @@ class HostKVPool:
         # reads for host blocks, written as blocks are offloaded (`keep_on_device`).
         self._on_device: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.key_copies: HostKeyCopies | None = None  # device copies of offloaded blocks' keys
+        self.hot_blocks: HotBlockCache | None = None  # host blocks' heads held on the device
 
     @property
     def ready_blocks(self) -> int:
@@ -184,13 +187,17 @@ class HostKVPool:
         return views
 
     def keep_on_device(
-        self, pairs: list[tuple[torch.Tensor, torch.Tensor]], key_copies: HostKeyCopies | None = None
+        self,
+        pairs: list[tuple[torch.Tensor, torch.Tensor]],
+        key_copies: HostKeyCopies | None = None,
+        hot_blocks: HotBlockCache | None = None,
     ) -> None:
         """For each (pool tensor [2, pool blocks, ...], device tensor [2, host blocks, ...]): every
         offloaded block's slice is copied into the second too, at its host block; and its keys into
-        `key_copies`, where given."""
+        `key_copies`, where given; and `hot_blocks` forgets what it held of the block."""
         self._on_device = pairs
         self.key_copies = key_copies
+        self.hot_blocks = hot_blocks
 
     def _wait_for(self, blocks: tuple[int, ...]) -> None:
         """Until the rows of `blocks` are pinned."""
@@ -219,13 +226,15 @@ class HostKVPool:
                 self._load(host_blocks[first : first + step], device_blocks[first : first + step])
 
     def _keep_on_device(self, device_blocks: tuple[int, ...], host_blocks: tuple[int, ...]) -> None:
-        if self._on_device or self.key_copies is not None:
+        if self._on_device or self.key_copies is not None or self.hot_blocks is not None:
             device_ids = to_device(device_blocks, torch.int64, self.device)
             host_ids = to_device(host_blocks, torch.int64, self.device)
             for pool_tensor, copy in self._on_device:
                 copy.index_copy_(1, host_ids, pool_tensor.index_select(1, device_ids))
             if self.key_copies is not None:
                 self.key_copies.copy(device_ids, host_ids)
+            if self.hot_blocks is not None:
+                self.hot_blocks.forget(host_ids)
 
     def _offload(self, device_blocks: tuple[int, ...], host_blocks: tuple[int, ...], side: bool) -> None:
         staging = self._gather(to_device(device_blocks, torch.int64, self.device))

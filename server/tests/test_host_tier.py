@@ -14,6 +14,7 @@ from tgserve.kernels.fp8_format import dequantize_kv, quantize_kv
 from tgserve.server.core.block_manager import BlockManager
 from tgserve.server.core.host_tier import HostTier, KVTransfers
 from tgserve.server.core.request import Request
+from tgserve.server.engine import model_shard
 from tgserve.server.kv_cache import host_pool
 from tgserve.server.kv_cache.host_pool import HostKVPool
 from tgserve.server.kv_cache.key_copies import HostKeyCopies
@@ -319,3 +320,29 @@ def test_contexts_that_together_outgrow_the_pool_run_side_by_side_spilling(prefi
     assert stats.host_spilled_blocks >= 2 * 24 and stats.num_preemptions == 0  # twice the pool moved
     assert stats.num_free_blocks == stats.num_total_blocks
     assert llm.engine.scheduler.block_manager.host_tier.num_held_blocks == 0
+
+
+def test_chosen_host_blocks_are_read_from_the_hot_block_cache_token_exact(monkeypatch):
+    """Selective decode over a request 2.5x the pool (budget 128 tokens) keeps the host blocks it
+    chooses in the hot-block cache (half the pool's bytes here: 12 device blocks) and reads them
+    there on later steps; tokens as a pool that holds it all. A second round of prompts spills
+    into the same host blocks, written anew: what the cache held of them is forgotten, and the
+    tokens are still exact."""
+    monkeypatch.setattr(model_shard, "HOT_BLOCK_SHARE", 0.5)
+    rng = random.Random(12)
+    params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+    model = str(fixture_path("llama"))
+    # fp8: the candidates' keys copied to the device for rescoring are then lossless (see above).
+    selecting = dict(decode_attention_budget=128, decode_attention_min_context=64, kv_cache_dtype="fp8")
+    large = LLM(model, **{**POOL, "num_blocks": 128}, **selecting)
+    rounds = [[[rng.randrange(5, large.engine.vocab_size) for _ in range(436)]] for _ in range(2)]
+    llm = LLM(model, kv_offload_gb=HOST_GIB * 2, **POOL, **selecting)
+    hot = llm.engine.shard.host_pool.hot_blocks
+    assert hot.slots == 12 and llm.engine.shard.first_host_block_id == 24 + 12
+    for prompts in rounds:
+        assert llm.generate(prompts, params)[0].token_ids == large.generate(prompts, params)[0].token_ids
+    hits, misses = hot.counts()
+    assert hits > 0 and misses > 0
+    stats = llm.engine.stats()
+    assert stats.host_spilled_blocks >= 2 * (60 - 24) and stats.num_preemptions == 0
+    assert stats.num_free_blocks == stats.num_total_blocks == 24
