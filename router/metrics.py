@@ -142,6 +142,15 @@ def _host_tier_metrics(stats: EngineStats) -> Iterator[Metric]:
         "KV blocks of running requests whose context outgrew the KV pool, moved to the host tier and read there",
         stats.host_spilled_blocks,
     )
+    chosen = "Host-tier blocks chosen by selective decode (per layer and KV head)"
+    yield _counter(
+        "tgserve_kv_host_hot_block_hits",
+        f"{chosen} read from the hot-block cache in device memory",
+        stats.host_hot_block_hits,
+    )
+    yield _counter(
+        "tgserve_kv_host_hot_block_misses", f"{chosen} read over the link", stats.host_hot_block_misses
+    )
 
 
 def _step_metrics(durations: list[StepDurations]) -> Iterator[Metric]:

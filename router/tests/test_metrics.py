@@ -69,6 +69,13 @@ def test_engine_stats_are_read_at_scrape_time():
     assert sample(metrics, "tgserve_kv_cache_free_blocks") == 100
 
 
+def test_the_hot_block_cache_counts_are_exposed():
+    stats = EngineStats(1, 0, 30, 100, 0, 0, 0, host_hot_block_hits=850, host_hot_block_misses=150)
+    metrics = RouterMetrics(lambda: (stats, 16))
+    assert sample(metrics, "tgserve_kv_host_hot_block_hits") == 850
+    assert sample(metrics, "tgserve_kv_host_hot_block_misses") == 150
+
+
 def test_failures_are_labelled():
     metrics = RouterMetrics(lambda: (None, 16))
     metrics.request_failure.labels(err="validation").inc()

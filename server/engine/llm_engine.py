@@ -31,6 +31,7 @@ from tgserve.server.engine.shard_workers import WorkerWatch, free_tcp_address, s
 from tgserve.server.engine.warm_up import warm_up
 from tgserve.server.execution.memory import MemoryProfile
 from tgserve.server.execution.runner import LaunchedStep, RunnerOutput
+from tgserve.server.kv_cache.hot_blocks import HotBlockCache
 from tgserve.server.loading.description import ModelDescription, eos_token_ids, load_model_description
 from tgserve.server.loading.source import load_tokenizer
 from tgserve.server.protocol.grammar import check_grammar
@@ -309,12 +310,20 @@ class LLMEngine:
         """Zero what stats() counts since start (after the engine's own warm-up requests, so that
         metrics count only what clients asked)."""
         self.scheduler.reset_counters()
+        if (hot := self._hot_blocks) is not None:
+            hot.reset_counts()
         self._last_step = (0, 0)
         self.step_clock = StepClock()
+
+    @property
+    def _hot_blocks(self) -> HotBlockCache | None:
+        host = self.shard.host_pool
+        return None if host is None else host.hot_blocks
 
     def stats(self) -> EngineStats:
         stats = self.scheduler.stats()
         tokens, seqs = self._last_step
+        hot_hits, hot_misses = (0, 0) if self._hot_blocks is None else self._hot_blocks.recent_counts()
         return EngineStats(
             **{
                 **stats.__dict__,
@@ -323,5 +332,7 @@ class LLMEngine:
                 "step_num_seqs": seqs,
                 "host_block_bytes": self.shard.host_block_bytes if self.shard.num_host_blocks else 0,
                 "step_durations": self.step_clock.snapshot(),
+                "host_hot_block_hits": hot_hits,
+                "host_hot_block_misses": hot_misses,
             }
         )

@@ -129,6 +129,11 @@ class HotBlockCache:
             for i in range(num_layers)
         ]
 
+        # `recent_counts`: the totals copied to host memory without waiting, and when that copy is done.
+        self._on_host = torch.zeros(2, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._copied: torch.cuda.Event | None = None
+        self._seen = (0, 0)
+
     @property
     def slots(self) -> int:
         return self.layers[0].slots
@@ -137,11 +142,34 @@ class HotBlockCache:
         """Host blocks `host_ids` (int64, on the device) are being written anew: no layer holds them now."""
         self.maps.index_fill_(2, host_ids, -1)
 
+    def _totals(self) -> torch.Tensor:
+        return torch.stack([layer.counts for layer in self.layers]).sum(0)
+
     def counts(self) -> tuple[int, int]:
         """(hits, misses) over every layer so far: chosen host blocks read from the device and not
-        (a device-to-host read: for benchmarks and tests, not for every step)."""
-        hits, misses = torch.stack([layer.counts for layer in self.layers]).sum(0).tolist()
+        (waits for the device: for benchmarks and tests)."""
+        hits, misses = self._totals().tolist()
         return hits, misses
+
+    def recent_counts(self) -> tuple[int, int]:
+        """`counts` as of an earlier call on CUDA, without waiting for the device (the engine's stats
+        go out every second while it steps; a read that waited would stall the step in flight):
+        each call starts a copy to host memory that a later call reads once it is done."""
+        if self._copied is None and self.maps.device.type != "cuda":
+            return self.counts()
+        if self._copied is not None and self._copied.query():
+            hits, misses = self._on_host.tolist()
+            self._seen, self._copied = (hits, misses), None
+        if self._copied is None:
+            self._on_host.copy_(self._totals(), non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        return self._seen
+
+    def reset_counts(self) -> None:
+        for layer in self.layers:
+            layer.counts.zero_()
+        self._seen = (0, 0)
 
 
 def admit_and_fill(

@@ -81,6 +81,10 @@ class EngineStats:
     host_evicted_blocks: int = 0
     host_swapped_out_requests: int = 0  # preemptions that swapped the KV out instead of dropping it
     host_spilled_blocks: int = 0  # running requests' cold blocks moved to host (the long-context tier)
+    # Host blocks selective decode chose, per layer and KV head: read from the hot-block cache on
+    # the device, and not (over the link), as of a recent step.
+    host_hot_block_hits: int = 0
+    host_hot_block_misses: int = 0
     host_block_bytes: int = 0
     # Steps that gave a request no token because its guided mask was late (or the token before was).
     num_deferred_steps: int = 0

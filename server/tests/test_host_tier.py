@@ -344,5 +344,6 @@ def test_chosen_host_blocks_are_read_from_the_hot_block_cache_token_exact(monkey
     hits, misses = hot.counts()
     assert hits > 0 and misses > 0
     stats = llm.engine.stats()
+    assert (stats.host_hot_block_hits, stats.host_hot_block_misses) == (hits, misses)  # /metrics reads these
     assert stats.host_spilled_blocks >= 2 * (60 - 24) and stats.num_preemptions == 0
     assert stats.num_free_blocks == stats.num_total_blocks == 24
