@@ -152,12 +152,31 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return KV_CACHE_DTYPES[name] or model_dtype
 
 
+def layer_configs(config: Any) -> list[Any]:
+    """Per layer, the config its attention is built from: transformers 5's heterogeneous configs
+    (Gemma 4: wider heads, other KV head counts, on its full-attention layers) have one of their
+    own, on which the global config's values that vary raise; every other config is the same
+    throughout."""
+    n = num_layers(config)
+    if getattr(config, "is_heterogeneous", False):
+        return [config.per_layer_config[i] for i in range(n)]
+    return [config] * n
+
+
 def kv_cache_specs(config: Any, dtype: torch.dtype, tensor_parallel_size: int = 1) -> list[KVCacheSpec]:
-    """The cache every layer of this architecture needs, read off its HF config, storing `dtype`
-    (`kv_cache_dtype`); with tensor parallelism, one shard's (its share of the KV heads)."""
-    local = split_evenly(num_kv_heads(config), tensor_parallel_size, "KV heads")
-    dim = head_dim(config)
-    return [KVCacheSpec(local, dim, dtype, window) for window in layer_sliding_windows(config)]
+    """The cache every layer of this architecture needs, read off its HF config (each layer's own,
+    `layer_configs`), storing `dtype` (`kv_cache_dtype`); with tensor parallelism, one shard's
+    (its share of the KV heads)."""
+    windows = layer_sliding_windows(config)
+    return [
+        KVCacheSpec(
+            split_evenly(num_kv_heads(layer), tensor_parallel_size, "KV heads"),
+            head_dim(layer),
+            dtype,
+            window,
+        )
+        for layer, window in zip(layer_configs(config), windows, strict=True)
+    ]
 
 
 def with_key_summaries(specs: list[KVCacheSpec], dtype: torch.dtype) -> list[KVCacheSpec]:

@@ -60,9 +60,10 @@ def causal_lm_architectures() -> list[tuple[str, str]]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items())
 
 
-def tiny_config(model_type: str, ids: Any) -> Any:
-    """The model type's config with the size names it has set small; raises Refused where the
-    engine does not serve such a model."""
+def tiny_config(model_type: str, ids: Any, **overrides: Any) -> Any:
+    """The model type's config with the size names it has set small (then `overrides`, given to the
+    config class with them: per-layer settings are derived as it is built); raises Refused where
+    the engine does not serve such a model."""
     from transformers import AutoConfig
 
     default = AutoConfig.for_model(model_type)
@@ -71,12 +72,12 @@ def tiny_config(model_type: str, ids: Any) -> Any:
     if any(getattr(default, part, None) is not None for part in MULTIMODAL_PARTS):
         raise Refused("multimodal (sub-configs)")
     settable = [name for name in SIZES if not isinstance(getattr(type(default), name, None), property)]
-    sizes = {name: SIZES[name] for name in settable if hasattr(default, name)}
-    sizes |= consistent_sizes(default, sizes)
+    sizes = {name: SIZES[name] for name in settable if _has(default, name)}
+    sizes |= consistent_sizes(default, sizes) | per_layer_inputs(default, ids.vocab_size)
     # BERT-style configs default to the encoder (bidirectional attention over the prompt); as a causal
     # LM such a model is a decoder, as checkpoints trained for generation say.
     decoder = {"is_decoder": True} if hasattr(default, "is_decoder") else {}
-    return AutoConfig.for_model(model_type, **sizes, **decoder, **ids.as_kwargs())
+    return AutoConfig.for_model(model_type, **(sizes | decoder | ids.as_kwargs() | overrides))
 
 
 def saved_tiny_model(model_type: str, architecture: str, directory: Path, **overrides: Any) -> Any:
@@ -111,6 +112,27 @@ def copy_tokenizer(tokenizer_dir: Path, directory: Path) -> None:
         shutil.copy(file, directory / file.name)
 
 
+def _has(config: Any, name: str) -> bool:
+    """Whether the config has the attribute; a per-layer attribute of a heterogeneous config
+    (transformers 5, Gemma 4's head_dim) has one, though reading it globally raises."""
+    try:
+        return hasattr(config, name)
+    except RuntimeError:
+        return name in (getattr(config, "per_layer_attributes", None) or ())
+
+
+def per_layer_inputs(default: Any, vocab_size: int) -> dict[str, Any]:
+    """Gemma 3n's and Gemma 4's per-layer input embeddings (a table of vocabulary x layers x width)
+    over the tokenizer's vocabulary at a width of 8; their wider full-attention heads (Gemma 4's
+    `global_head_dim`, a per-layer head_dim) twice the common head size, so that they still differ."""
+    sizes: dict[str, Any] = {}
+    if vars(default).get("hidden_size_per_layer_input"):
+        sizes |= {"vocab_size_per_layer_input": vocab_size, "hidden_size_per_layer_input": 8}
+    if "head_dim" in (getattr(default, "per_layer_attributes", None) or ()):
+        sizes["global_head_dim"] = 2 * SIZES["head_dim"]
+    return sizes
+
+
 def consistent_sizes(default: Any, sizes: dict[str, Any]) -> dict[str, Any]:
     """Sizes that depend on others, which the common names alone would leave inconsistent."""
     derived: dict[str, Any] = {}
@@ -125,7 +147,19 @@ def consistent_sizes(default: Any, sizes: dict[str, Any]) -> dict[str, Any]:
         derived["attention_types"] = [[["global", "local"], 1]]
     if "num_hidden_layers" in sizes:
         derived |= shrunk_layer_lists(default)
+        derived |= shared_kv_layers(default, derived)
     return derived
+
+
+def shared_kv_layers(default: Any, shrunk: dict[str, Any]) -> dict[str, Any]:
+    """Where the last layers reuse earlier layers' keys and values (Gemma 3n's, Gemma 4's
+    `num_kv_shared_layers`): the shrunk layers twice over, the second time sharing, so that every
+    kind of sharing layer has a layer of its kind to share from."""
+    kinds = shrunk.get("layer_types")
+    if not vars(default).get("num_kv_shared_layers") or kinds is None:
+        return {}
+    doubled = {name: value + value for name, value in shrunk.items() if name.endswith("layer_types")}
+    return doubled | {"num_hidden_layers": 2 * len(kinds), "num_kv_shared_layers": len(kinds)}
 
 
 def shrunk_layer_lists(default: Any) -> dict[str, Any]:
@@ -153,8 +187,8 @@ class Refused(Exception):
     """An architecture the engine does not serve, and why."""
 
 
-def run_one(model_type: str, architecture: str, workdir: Path) -> Row:
-    """Build, save, generate both ways, compare (in this process)."""
+def run_one(model_type: str, architecture: str, workdir: Path, **overrides: Any) -> Row:
+    """Build (`tiny_config`, with `overrides`), save, generate both ways, compare (in this process)."""
     import torch
     import transformers
 
@@ -165,7 +199,7 @@ def run_one(model_type: str, architecture: str, workdir: Path) -> Row:
     start = time.perf_counter()
     tokenizer_dir = _tokenizer_dir(default_cache_dir())  # the fixtures' shared tokenizer
     try:
-        config = tiny_config(model_type, _token_ids(tokenizer_dir))
+        config = tiny_config(model_type, _token_ids(tokenizer_dir), **overrides)
     except Refused as why:
         return Row(model_type, architecture, "refused", str(why))
     except Exception as exc:  # the config class rejects the small sizes: the sweep's, not the engine's

@@ -6,7 +6,9 @@ refused by name."""
 from __future__ import annotations
 
 import pytest
+import torch
 
+from tgserve.server.kv_cache.spec import kv_cache_specs
 from tgserve.server.testing.arch_sweep import Refused, run_one, tiny_config
 from tgserve.server.testing.tiny_configs import TokenIds
 
@@ -25,13 +27,46 @@ SAMPLE = [
     ("exaone", "LlamaForCausalLM"),  # native, from a checkpoint in EXAONE's own names (renamed on load)
     ("openai-gpt", "OpenAIGPTLMHeadModel"),  # no KV cache at all: whole sequences, recomputed
     ("xlnet", "XLNetLMHeadModel"),  # its own inputs for generation (a permutation mask), recomputed
+    ("gemma4_text", "Gemma4ForCausalLM"),  # per-layer configs: full-attention layers' heads twice as wide
+    ("gemma3n_text", "Gemma3nForCausalLM"),  # the last layers reuse earlier layers' KV; per-layer inputs
 ]
+GEMMA_4_LAYERS = dict(layer_types=["sliding_attention", "full_attention"] * 2, num_hidden_layers=4)
 
 
 @pytest.mark.parametrize("model_type,architecture", SAMPLE)
 def test_a_tiny_model_of_the_family_gives_transformers_tokens(tmp_path, model_type, architecture):
     row = run_one(model_type, architecture, tmp_path)
     assert row.status == "exact", row
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        # Gemma 4's small models: the last two layers reuse the KV of the last earlier layer of their
+        # kind; full-attention layers take keys as values, with a KV head of their own count.
+        dict(num_kv_shared_layers=2, attention_k_eq_v=True, num_global_key_value_heads=1),
+        dict(
+            enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32
+        ),  # 26B-A4B's MoE
+    ],
+    ids=["shared-kv", "moe"],
+)
+def test_gemma_4_variants_give_transformers_tokens(tmp_path, variant):
+    row = run_one("gemma4_text", "Gemma4ForCausalLM", tmp_path, **GEMMA_4_LAYERS, **variant)
+    assert row.status == "exact", row
+
+
+def test_heterogeneous_configs_give_each_layer_its_own_cache_shape():
+    """transformers 5's per-layer configs raise on the global head_dim; the cache reads each layer's."""
+    ids = TokenIds(vocab_size=100, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    config = tiny_config(
+        "gemma4_text", ids, **GEMMA_4_LAYERS, attention_k_eq_v=True, num_global_key_value_heads=1
+    )
+    specs = kv_cache_specs(config, torch.float32)
+    assert [(spec.head_dim, spec.num_kv_heads, spec.sliding_window) for spec in specs] == [
+        (16, 2, 16),
+        (32, 1, None),
+    ] * 2
 
 
 def test_an_encoder_decoder_is_refused_by_name():
