@@ -57,6 +57,15 @@ FAMILIES: dict[str, dict] = {
                        final_logit_softcapping=30.0, sliding_window=4096, rms_norm_eps=1e-6, rope_theta=10000.0,
                        hidden_activation="gelu_pytorch_tanh", hidden_act="gelu_pytorch_tanh",
                        max_position_embeddings=8192, tie_word_embeddings=True),
+    # gpt-oss-20b's shape (unquantized: the benchmark's dummy weights are the model's dtype)
+    "gpt-oss-20b": dict(model_type="gpt_oss", architectures=["GptOssForCausalLM"], vocab_size=201088,
+                        hidden_size=2880, intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8,
+                        head_dim=64, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+                        rms_norm_eps=1e-5, attention_bias=True, swiglu_limit=7.0, max_position_embeddings=131072,
+                        rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                         "truncate": False, "original_max_position_embeddings": 4096,
+                                         "rope_theta": 150000.0},
+                        tie_word_embeddings=False),
 }  # fmt: skip
 
 
@@ -75,12 +84,13 @@ def model_dir(root: Path, family: str, layers: int) -> Path:
 def bytes_a_token(model: torch.nn.Module) -> tuple[int, int]:
     """(bytes a decode token reads, parameters it uses): every weight but the input embeddings
     (one row read), of stacked experts the share the router picks, the LM head (tied or not)."""
+    from tgserve.server.models.gpt_oss import GptOssMoE
     from tgserve.server.models.moe import ExpertWeights, SparseMoE
 
     share = {
         id(m.experts): m.top_k / m.experts.w_down.shape[0]
         for m in model.modules()
-        if isinstance(m, SparseMoE)
+        if isinstance(m, SparseMoE | GptOssMoE)
     }
     read = used = 0
     embed = model.model.embed_tokens.weight

@@ -32,6 +32,7 @@ import torch
 
 from tgserve.kernels import reference
 from tgserve.kernels.decode_selection import DecodeSelection, choose_blocks
+from tgserve.kernels.moe_routing import ClampedSwiGLU
 from tgserve.kernels.sparse.config import SparseConfig
 
 
@@ -428,15 +429,22 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def fused_moe(
-    x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+    gating: ClampedSwiGLU | None = None,
 ) -> torch.Tensor:
     """The routed experts' SwiGLU outputs of x [T, H], weighted and summed per token: w_gate_up
-    [E, 2I, H], w_down [E, H, I], routing weights [T, k] and expert ids [T, k] (`moe_routing.route`)."""
+    [E, 2I, H], w_down [E, H, I], routing weights [T, k] and expert ids [T, k] (`moe_routing.route`);
+    gpt-oss's experts add biases (gate_up [E, 2I], down [E, H]) and gate with `ClampedSwiGLU`."""
     if use_triton(x):
         from tgserve.kernels.moe import fused_moe_triton
 
-        return fused_moe_triton(x, w_gate_up, w_down, weights, ids)
-    return reference.fused_moe(x, w_gate_up, w_down, weights, ids)
+        return fused_moe_triton(x, w_gate_up, w_down, weights, ids, biases, gating)
+    return reference.fused_moe(x, w_gate_up, w_down, weights, ids, biases, gating)
 
 
 # One row through a weight of at most this many output rows (any input width): where cuBLAS splits K

@@ -11,7 +11,9 @@ every expert's last partial block) return at once: the grid depends on the row c
 decode step can be replayed from a CUDA graph.
 
 Rounding follows the twin's op boundaries: gate and up are rounded to the input dtype before the
-gating, the gated product and the down projection's output too.
+gating, the gated product and the down projection's output too. gpt-oss's experts add a bias to
+each projection (before that rounding) and gate with `moe_routing.ClampedSwiGLU`, computed in
+float32 (the twin rounds each of its ops in half precision).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tgserve.kernels.moe_routing import expert_blocks
+from tgserve.kernels.moe_routing import ClampedSwiGLU, expert_blocks
 from tgserve.kernels.triton_common import dot_precision, interpreting
 
 # Rows a block: decode steps have a few rows an expert (16: tl.dot's least), prompt steps many.
@@ -48,8 +50,9 @@ def _block_tile(rows_ptr, w_ptr, expert, stride_we, n_size, BLOCK_M: tl.constexp
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, w_ptr, rows_ptr, expert_ptr, out_ptr, hidden, inter, top_k, stride_xt, stride_we, stride_wn,
-    stride_ot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    x_ptr, w_ptr, rows_ptr, expert_ptr, out_ptr, bias_ptr, hidden, inter, top_k, stride_xt, stride_we, stride_wn,
+    stride_ot, stride_be, alpha, limit, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr, BIAS: tl.constexpr = False, CLAMPED: tl.constexpr = False,
 ):  # fmt: skip
     expert = tl.load(expert_ptr + tl.program_id(0))
     if expert < 0:
@@ -71,16 +74,27 @@ def _gate_up_kernel(
         )
         acc_gate = tl.dot(a, gate, acc_gate, input_precision=PRECISION)
         acc_up = tl.dot(a, up, acc_up, input_precision=PRECISION)
+    if BIAS:  # gpt-oss: each projection's bias, added before the rounding as the twin's F.linear does
+        bias = bias_ptr + expert.to(tl.int64) * stride_be
+        acc_gate += tl.load(bias + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        acc_up += tl.load(bias + inter + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     dtype = out_ptr.dtype.element_ty
     g = acc_gate.to(dtype).to(tl.float32)
-    gated = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32) * acc_up.to(dtype).to(tl.float32)
+    u = acc_up.to(dtype).to(tl.float32)
+    if CLAMPED:  # `moe_routing.ClampedSwiGLU`, in float32 (the twin rounds each op in half precision)
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        gated = (u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))
+    else:
+        gated = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32) * u
     tl.store(out_ptr + m[:, None].to(tl.int64) * stride_ot + n[None, :], gated.to(dtype), mask=n_ok[None, :])
 
 
 @triton.jit
 def _down_kernel(
-    h_ptr, w_ptr, rows_ptr, expert_ptr, weight_ptr, out_ptr, hidden, inter, stride_ht, stride_we, stride_wn,
-    stride_ot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    h_ptr, w_ptr, rows_ptr, expert_ptr, weight_ptr, out_ptr, bias_ptr, hidden, inter, stride_ht, stride_we,
+    stride_wn, stride_ot, stride_be, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr, BIAS: tl.constexpr = False,
 ):  # fmt: skip
     expert = tl.load(expert_ptr + tl.program_id(0))
     if expert < 0:
@@ -94,6 +108,10 @@ def _down_kernel(
         w = tl.load(w_base + n[None, :].to(tl.int64) * stride_wn + k[:, None], mask=k_ok[:, None] & n_ok[None, :],
                     other=0.0)  # fmt: skip
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    if BIAS:
+        acc += tl.load(bias_ptr + expert.to(tl.int64) * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)[
+            None, :
+        ]
     dtype = out_ptr.dtype.element_ty
     routed = acc.to(dtype).to(tl.float32) * tl.load(weight_ptr + row, mask=used, other=0.0)[:, None]
     at = tl.where(used, row, 0).to(tl.int64)
@@ -103,10 +121,17 @@ def _down_kernel(
 
 
 def fused_moe_triton(
-    x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+    gating: ClampedSwiGLU | None = None,
 ) -> torch.Tensor:
     """`reference.fused_moe` in two grouped GEMMs: x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I],
-    weights float32 [T, k], ids [T, k]; returns [T, H] in x's dtype."""
+    weights float32 [T, k], ids [T, k], optional biases (gate_up [E, 2I], down [E, H]) and gpt-oss's
+    gating; returns [T, H] in x's dtype."""
     tokens, hidden = x.shape
     num_experts, inter = w_down.shape[0], w_down.shape[2]
     top_k = ids.shape[1]
@@ -120,14 +145,19 @@ def fused_moe_triton(
     common = dict(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=dot_precision(x.dtype), **launch
     )
+    bias_gate_up, bias_down = biases or (x, x)  # unread without BIAS
+    assert biases is None or (bias_gate_up.stride(1) == 1 and bias_down.stride(1) == 1)
+    alpha, limit = (gating.alpha, gating.limit) if gating is not None else (1.0, 0.0)
     gated = torch.empty(layout.rows.shape[0], inter, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(layout.num_blocks, triton.cdiv(inter, block_n))](
-        x, w_gate_up, layout.rows, layout.block_expert, gated, hidden, inter, top_k, x.stride(0),
-        w_gate_up.stride(0), w_gate_up.stride(1), gated.stride(0), **common,
+        x, w_gate_up, layout.rows, layout.block_expert, gated, bias_gate_up, hidden, inter, top_k, x.stride(0),
+        w_gate_up.stride(0), w_gate_up.stride(1), gated.stride(0), bias_gate_up.stride(0), alpha, limit,
+        BIAS=biases is not None, CLAMPED=gating is not None, **common,
     )  # fmt: skip
     routed = torch.empty(tokens * top_k, hidden, dtype=x.dtype, device=x.device)
     _down_kernel[(layout.num_blocks, triton.cdiv(hidden, block_n))](
-        gated, w_down, layout.rows, layout.block_expert, weights.float().contiguous(), routed, hidden, inter,
-        gated.stride(0), w_down.stride(0), w_down.stride(1), routed.stride(0), **common,
+        gated, w_down, layout.rows, layout.block_expert, weights.float().contiguous(), routed, bias_down, hidden,
+        inter, gated.stride(0), w_down.stride(0), w_down.stride(1), routed.stride(0), bias_down.stride(0),
+        BIAS=biases is not None, **common,
     )  # fmt: skip
     return routed.view(tokens, top_k, hidden).sum(1, dtype=torch.float32).to(x.dtype)

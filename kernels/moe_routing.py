@@ -1,7 +1,8 @@
 """Mixture-of-experts routing and the grouping of a step's rows by expert (torch, any device).
 
 `route` is the router of Mixtral and the Qwen MoE models: softmax over every expert in float32,
-the top k, optionally renormalised to sum to one. `expert_blocks` lays the step's (token, slot)
+the top k, optionally renormalised to sum to one; `route_top_logits` is gpt-oss's (the top k logits,
+then a softmax over them), whose experts gate with `ClampedSwiGLU`. `expert_blocks` lays the step's (token, slot)
 assignments out expert by expert in blocks of `block_m` rows, so that each block of the grouped
 GEMMs (`moe.py`) reads one expert's weights; only experts some row chose get blocks. Every shape
 depends on the step's row count alone (no host sync, nothing data-dependent), so a decode step
@@ -22,6 +23,26 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+def route_top_logits(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss's router: the top k logits, then a softmax over those alone, in the logits' dtype
+    (as transformers computes it), returned in float32 as `route`'s weights are."""
+    top, ids = torch.topk(logits, top_k, dim=-1)
+    return torch.softmax(top, dim=-1, dtype=top.dtype).float(), ids
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's expert activation in place of SiLU(gate) * up: with g = min(gate, limit) and
+    u = clamp(up, -limit, limit), (u + 1) * g * sigmoid(alpha * g)."""
+
+    alpha: float
+    limit: float
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
 @dataclass

@@ -15,6 +15,8 @@ Layouts (agreed with the engine):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -424,16 +426,26 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def fused_moe(
-    x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+    gating: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """[T, H]: for each token, the sum over its chosen experts e (ids [T, k]) of weights[t, slot] x
     down_e(silu(gate_e x) * up_e x), with w_gate_up [E, 2I, H] and w_down [E, H, I]. Expert by expert
-    over the rows that chose it, added in expert order (as transformers' MoE blocks do)."""
+    over the rows that chose it, added in expert order (as transformers' MoE blocks do). biases:
+    (gate_up [E, 2I], down [E, H]) added to each projection (gpt-oss); gating(gate, up): the
+    activation in place of SiLU(gate) * up (`moe_routing.ClampedSwiGLU`)."""
     out = torch.zeros_like(x)
     for expert in ids.unique().tolist():
         token, slot = torch.where(ids == expert)
-        hidden = silu_and_mul(F.linear(x[token], w_gate_up[expert]))
-        down = F.linear(hidden, w_down[expert]) * weights[token, slot, None]
+        bias_gate_up, bias_down = (None, None) if biases is None else (biases[0][expert], biases[1][expert])
+        gate_up = F.linear(x[token], w_gate_up[expert], bias_gate_up)
+        hidden = silu_and_mul(gate_up) if gating is None else gating(*gate_up.chunk(2, dim=-1))
+        down = F.linear(hidden, w_down[expert], bias_down) * weights[token, slot, None]
         out.index_add_(0, token, down.to(out.dtype))
     return out
 

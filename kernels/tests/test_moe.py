@@ -7,7 +7,7 @@ import torch
 
 from tgserve.kernels import reference
 from tgserve.kernels.moe import fused_moe_triton
-from tgserve.kernels.moe_routing import expert_blocks, route
+from tgserve.kernels.moe_routing import ClampedSwiGLU, expert_blocks, route, route_top_logits
 
 
 def _layer(tokens: int, experts: int, top_k: int, hidden: int, inter: int, dtype: torch.dtype, seed: int):
@@ -33,6 +33,34 @@ def test_grouped_experts_equal_the_twin(device, tokens, experts, top_k, hidden, 
     assert got.dtype == dtype and got.shape == want.shape
     tolerance = 1e-5 if dtype == torch.float32 and device == "cpu" else 2e-3 * want.abs().max().item()
     assert (got.cpu().float() - want.float()).abs().max() <= tolerance
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,hidden,inter", [(1, 8, 4, 32, 48), (23, 8, 2, 40, 24)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gpt_oss_experts_equal_the_twin(device, tokens, experts, top_k, hidden, inter, dtype):
+    """Biases on both projections and the clamped SwiGLU, with a limit low enough to clamp."""
+    x, w_gate_up, w_down, _, _ = _layer(tokens, experts, top_k, hidden, inter, dtype, seed=tokens + 1)
+    gen = torch.Generator().manual_seed(tokens)
+    weights, ids = route_top_logits(torch.randn(tokens, experts, generator=gen), top_k)
+    biases = (
+        torch.randn(experts, 2 * inter, generator=gen).to(dtype),
+        torch.randn(experts, hidden, generator=gen).to(dtype),
+    )
+    gating = ClampedSwiGLU(alpha=1.702, limit=1.5)
+    want = reference.fused_moe(x.float(), w_gate_up.float(), w_down.float(), weights, ids,
+                               tuple(b.float() for b in biases), gating)  # fmt: skip
+    plain = reference.fused_moe(x.float(), w_gate_up.float(), w_down.float(), weights, ids)
+    assert (want - plain).abs().max() > 0.1, "the biases and the gating must matter"
+    on = [t.to(device) for t in (x, w_gate_up, w_down, weights, ids)]
+    got = fused_moe_triton(*on, tuple(b.to(device) for b in biases), gating)
+    tolerance = 1e-4 if dtype == torch.float32 else 1e-2 * want.abs().max().item()
+    assert (got.cpu().float() - want).abs().max() <= tolerance
+
+
+def test_gpt_oss_routing_is_a_softmax_over_the_top_logits():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    weights, ids = route_top_logits(logits, 2)
+    assert ids.tolist() == [[0, 1]] and torch.allclose(weights, torch.softmax(logits[:, :2], -1))
 
 
 def test_assignments_are_grouped_by_expert_in_whole_blocks():

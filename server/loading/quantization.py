@@ -10,8 +10,9 @@ pool gets the rest. The embedding, the LM head and the norms stay in the serving
 fp8 checkpoints in compressed-tensors' float-quantized format (llm-compressor's FP8 and FP8-dynamic
 models) or AutoFP8's load into the same layout as they are: their e4m3 rows and their scales, a
 per-tensor scale repeated for each row. Checkpoints quantized otherwise (AWQ, GPTQ, bitsandbytes, block-scaled fp8...)
-carry weights this loader would copy as if they were plain ones, so they are refused by name. GGUF
-files are dequantized by transformers on load and are served like any other.
+carry weights this loader would copy as if they were plain ones, so they are refused by name; gpt-oss's
+MXFP4 experts are the exception, dequantized by its native loader. GGUF files are dequantized by
+transformers on load and are served like any other.
 """
 
 from __future__ import annotations
@@ -82,6 +83,8 @@ def check_checkpoint(config: Any, display_name: str, native: bool) -> None:
     method = checkpoint_quantization(config)
     if method is None or method == "gguf":
         return
+    if method == "mxfp4" and native and getattr(config, "model_type", None) == "gpt_oss":
+        return  # OpenAI's gpt-oss checkpoints: the experts dequantized as they load (models/gpt_oss.py)
     if is_fp8_checkpoint(config):
         if not native:
             raise ModelLoadError(

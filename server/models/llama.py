@@ -1,7 +1,8 @@
 """The llama family (Llama, Mistral, Qwen2, Qwen3): fused QKV and gate/up projections, paged attention.
 
 Differences between the families are flags read off the config: Qwen2 biases its QKV projection,
-Qwen3 normalises queries and keys per head, Mistral's window comes through the KV cache spec.
+Qwen3 normalises queries and keys per head, Mistral's window comes through the KV cache spec,
+gpt-oss (`gpt_oss.py`) biases every projection and learns a sink logit per head.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def _family_flags(config: Any) -> dict[str, bool]:
         "o_bias": False if qwen2 else attention_bias,
         "qk_norm": model_type in ("qwen3", "qwen3_moe"),
         "mlp_bias": bool(getattr(config, "mlp_bias", False)),
+        "sinks": model_type == "gpt_oss",  # a learned sink logit per head
     }
 
 
@@ -66,6 +68,18 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if flags["qk_norm"] else None
         self.rotary = rotary
         self.scale = self.head_dim**-0.5
+        self.sinks = self._sinks(tp) if flags["sinks"] else None
+
+    def _sinks(self, tp: Any) -> nn.Parameter:
+        """This shard's heads' sink logits (float32: they join the softmax's sums)."""
+        sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32), requires_grad=False)
+        start = tp.rank * self.num_heads
+
+        def load(param: nn.Parameter, tensor: torch.Tensor, part: int | None) -> None:
+            param.data.copy_(tensor.narrow(0, start, self.num_heads))
+
+        sinks.weight_loader = load  # type: ignore[attr-defined]
+        return sinks
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, keep: torch.Tensor | None = None
@@ -78,16 +92,16 @@ class LlamaAttention(nn.Module):
         which it overwrites (its caller has no further use for it)."""
         if hidden.shape[0] <= ROWS_AT_ONCE:
             q, k, v = self._qkv(positions, hidden)
-            out = paged_attention(self.layer_idx, q, k, v, self.scale, rows=keep)
+            out = paged_attention(self.layer_idx, q, k, v, self.scale, rows=keep, sinks=self.sinks)
             return self.o_proj(out.reshape(-1, self.q_size))
         q, k, v = self._qkv_in_slices(positions, hidden)
         # The normed input is dead once projected: the output may take its place (o_proj reads a
         # slice of it before that slice is written).
         over_input = keep is None and self.q_size == hidden.shape[1] and hidden.is_contiguous()
         buffer = hidden.view(-1, self.num_heads, self.head_dim) if over_input else None
-        out = paged_attention(self.layer_idx, q, k, v, self.scale, rows=keep, out=buffer).reshape(
-            -1, self.q_size
-        )
+        out = paged_attention(
+            self.layer_idx, q, k, v, self.scale, rows=keep, out=buffer, sinks=self.sinks
+        ).reshape(-1, self.q_size)
         del q, k, v  # stored in the KV cache: only the output goes on
         projected = hidden if keep is None else hidden.new_empty(out.shape[0], hidden.shape[1])
         for start in range(0, out.shape[0], ROWS_AT_ONCE):

@@ -19,7 +19,7 @@ projections stay fp8).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -116,12 +116,7 @@ class SparseMoE(nn.Module):
         self.tp = tensor_parallel()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= ROWS_AT_ONCE:
-            return self._rows(x)
-        out = torch.empty_like(x)
-        for start in range(0, x.shape[0], ROWS_AT_ONCE):
-            out[start : start + ROWS_AT_ONCE] = self._rows(x[start : start + ROWS_AT_ONCE])
-        return out
+        return in_row_slices(self._rows, x)
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
@@ -132,6 +127,17 @@ class SparseMoE(nn.Module):
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
+
+
+def in_row_slices(rows: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """rows(x) for a feed-forward block that keeps x's shape, ROWS_AT_ONCE rows at a time: a whole
+    long prompt's step never holds its experts' intermediate activations for every row at once."""
+    if x.shape[0] <= ROWS_AT_ONCE:
+        return rows(x)
+    out = torch.empty_like(x)
+    for start in range(0, x.shape[0], ROWS_AT_ONCE):
+        out[start : start + ROWS_AT_ONCE] = rows(x[start : start + ROWS_AT_ONCE])
+    return out
 
 
 def moe_block_of(config: Any, layer: int) -> nn.Module | None:

@@ -22,6 +22,7 @@ NATIVE_MODELS: dict[str, tuple[str, str]] = {
     "Qwen3MoeForCausalLM": ("moe", "MoEForCausalLM"),
     "Qwen2MoeForCausalLM": ("moe", "MoEForCausalLM"),
     "MixtralForCausalLM": ("moe", "MoEForCausalLM"),
+    "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
 }
 
 

@@ -8,28 +8,38 @@ import pytest
 import torch
 
 from tgserve.kernels.reference import masked_attention
+from tgserve.server.models.gpt_oss import GptOssForCausalLM
 from tgserve.server.models.hf_fallback import TransformersFallbackModel, refuse_unsupported_attention
 from tgserve.server.models.registry import UnsupportedModelError
 from tgserve.server.testing.arch_sweep import saved_tiny_model
 
 from .test_native_families import engine_tokens, transformers_tokens
 
+# gpt-oss, native: windowed layers among full ones, experts of an intermediate size other than the
+# hidden size, two of four a token, a SwiGLU limit low enough to clamp random weights' activations.
+GPT_OSS = dict(
+    sliding_window=6, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, swiglu_limit=1.0
+)
+
 
 @pytest.mark.parametrize(
-    "model_type,architecture,overrides",
-    [("gpt_oss", "GptOssForCausalLM", {"sliding_window": 6}),  # windowed layers among full ones
-     ("granitemoe_swa", "GraniteMoeSWAForCausalLM", {})],
+    "model_type,architecture,native,overrides",
+    [("gpt_oss", "GptOssForCausalLM", GptOssForCausalLM, GPT_OSS),
+     ("granitemoe_swa", "GraniteMoeSWAForCausalLM", TransformersFallbackModel, {})],
 )  # fmt: skip
-def test_a_model_with_sinks_gives_transformers_tokens(tmp_path, model_type, architecture, overrides):
+def test_a_model_with_sinks_gives_transformers_tokens(tmp_path, model_type, architecture, native, overrides):
     """Chunked prefill, a prefix hit and decode, each with the sinks; they are large enough to
-    matter (a test without them fails: the sweep's rows differ)."""
+    matter (a test without them fails: the sweep's rows differ), as are the biases (transformers
+    starts gpt-oss's experts' and router's at zero)."""
     model = saved_tiny_model(model_type, architecture, tmp_path, **overrides)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("sinks"):
                 param.uniform_(-1.0, 3.0)
+            elif name.endswith("bias"):
+                param.uniform_(-0.5, 0.5)
     model.save_pretrained(tmp_path)
-    got, want = engine_tokens(tmp_path, TransformersFallbackModel), transformers_tokens(model)
+    got, want = engine_tokens(tmp_path, native), transformers_tokens(model)
     assert [tokens for tokens, _ in got] == [tokens for tokens, _ in want]
     for (_, got_logprobs), (_, want_logprobs) in zip(got, want, strict=True):
         assert got_logprobs == pytest.approx(want_logprobs, abs=1e-4)

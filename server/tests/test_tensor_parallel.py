@@ -1,6 +1,6 @@
 """Tensor-parallel native models on CPU: two shards (two processes, gloo) compute the logits of the
 unsharded model, for untied (llama) and tied, per-head-normed (qwen3) fixtures, Gemma 2 and Phi-3
-(its fused checkpoint projections split per shard), and mixtures of experts."""
+(its fused checkpoint projections split per shard), and mixtures of experts (gpt-oss's among them)."""
 
 from __future__ import annotations
 
@@ -107,6 +107,23 @@ def test_two_shards_of_a_mixture_of_experts_compute_the_unsharded_logits(
     from tgserve.server.testing.arch_sweep import saved_tiny_model
 
     saved_tiny_model(model_type, architecture, tmp_path, **overrides)
+    expected = prompt_logits(str(tmp_path))
+    for logits in sharded_logits(str(tmp_path)).values():
+        torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_two_shards_of_gpt_oss_compute_the_unsharded_logits(tmp_path) -> None:
+    """Each shard its heads' sinks and its half of every expert's intermediate size (gate and up
+    interleaved in the checkpoint), the down projection's bias added once."""
+    from tgserve.server.testing.arch_sweep import saved_tiny_model
+
+    model = saved_tiny_model("gpt_oss", "GptOssForCausalLM", tmp_path, sliding_window=6, intermediate_size=48,
+                             num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("sinks", "bias")):
+                param.uniform_(-0.5, 1.0)
+    model.save_pretrained(tmp_path)
     expected = prompt_logits(str(tmp_path))
     for logits in sharded_logits(str(tmp_path)).values():
         torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
