@@ -85,6 +85,13 @@ NOT_ONE_ATTENTION_A_LAYER = {
     "diffllama": "differential attention (two softmaxes a layer, two sets of values)"
 }
 
+# Draft models of speculative decoding that attend over their target model's keys and values: served
+# alone, there are none to attend over.
+NEEDS_A_TARGET_MODEL = {
+    "gemma4_assistant": "a draft model of Gemma 4's speculative decoding: it attends over its target model's "
+    "keys and values, which it does not compute itself"
+}
+
 # Layer kinds whose state is a softmax attention's keys and values, which the paged KV cache holds.
 ATTENTION_LAYER_KINDS = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
 STATE_SPACE_ATTRIBUTES = ("state_size", "ssm_state_size", "mamba_d_state")
@@ -93,7 +100,10 @@ STATE_SPACE_ATTRIBUTES = ("state_size", "ssm_state_size", "mamba_d_state")
 def check_attention_layers(config: Any, architecture: str) -> None:
     """Raise UnsupportedModelError for a model whose layers keep state other than softmax attention's
     keys and values (state-space, linear or compressed attention, convolutions): the engine would
-    serve such a model wrong tokens or fail mid-step (docs/architectures.md)."""
+    serve such a model wrong tokens or fail mid-step (docs/architectures.md); likewise a draft model
+    that reads another model's keys and values."""
+    if (draft := NEEDS_A_TARGET_MODEL.get(getattr(config, "model_type", None))) is not None:
+        raise UnsupportedModelError(f"architecture {architecture!r} is not supported: it is {draft}")
     try:
         heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
         layer_types = getattr(config, "layer_types", None)

@@ -24,6 +24,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 NEW_TOKENS = 8
@@ -273,13 +274,18 @@ def engine_refusal(config: Any, architecture: str) -> str | None:
 
 
 def engine_refusal_of_default(model_type: str, architecture: str) -> str | None:
-    """`engine_refusal` of the model type's default config (None where even that does not build)."""
+    """`engine_refusal` of the model type's default config (where even that does not build, of the
+    model type alone: a draft model is refused whatever its sizes)."""
     from transformers import AutoConfig
+
+    from tgserve.server.models.registry import NEEDS_A_TARGET_MODEL
 
     try:
         config = AutoConfig.for_model(model_type)
-    except Exception:  # noqa: BLE001 - a config class that rejects its own defaults: nothing to judge
-        return None
+    except Exception:  # noqa: BLE001 - a config class that rejects its own defaults: judged by its type alone
+        config = SimpleNamespace(model_type=model_type)
+        if model_type not in NEEDS_A_TARGET_MODEL:
+            return None
     return engine_refusal(config, architecture)
 
 

@@ -138,6 +138,13 @@ def test_families_the_sweep_found_differing_now_give_transformers_tokens(tmp_pat
     assert row.status == "exact", row
 
 
+def test_a_draft_model_is_refused_by_name(tmp_path):
+    """Gemma 4's assistant attends over its target model's keys and values (its default config does
+    not even build at tiny sizes): refused as what it is."""
+    row = run_one("gemma4_assistant", "Gemma4AssistantForCausalLM", tmp_path)
+    assert row.status == "refused" and "draft model" in row.detail, row
+
+
 def test_differential_attention_is_refused_by_name(tmp_path):
     row = run_one("diffllama", "DiffLlamaForCausalLM", tmp_path)
     assert row.status == "refused" and "differential attention" in row.detail, row
