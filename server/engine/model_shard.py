@@ -464,5 +464,10 @@ def build_shard(
         args, described.source, described.config, described.dtype, device, described.max_model_len
     )
     num_blocks = shard.size_kv_pool()
-    shard.allocate(tp.broadcast_object(num_blocks))  # rank 0's size: the pools must match
+    # Rank 0's sizes: the pools must match, and the hot-block cache's blocks set where host block ids
+    # start in the block tables every rank reads.
+    num_blocks, shard.key_copy_slots, shard.hot_slots = tp.broadcast_object(
+        (num_blocks, shard.key_copy_slots, shard.hot_slots)
+    )
+    shard.allocate(num_blocks)
     return shard
