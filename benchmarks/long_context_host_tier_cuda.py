@@ -120,6 +120,10 @@ def main() -> None:
         "--hot-block-share", type=float,
         help="the most of the KV budget the hot-block cache takes (default: the engine's; 0: none)",
     )  # fmt: skip
+    parser.add_argument(
+        "--hot-admission", choices=["torch", "kernel"],
+        help="the hot-block cache's admission: torch's small kernels or one Triton launch a layer (default: the engine's)",
+    )  # fmt: skip
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -143,6 +147,10 @@ def main() -> None:
             from tgserve.server.engine import model_shard
 
             model_shard.HOT_BLOCK_SHARE = args.hot_block_share
+        if args.hot_admission is not None:
+            from tgserve.server.kv_cache import hot_blocks
+
+            hot_blocks.ADMIT_IN_ONE_KERNEL = args.hot_admission == "kernel"
         shape, *rest = args.one.split(":")
         contexts, context = (int(n) for n in shape.split("x"))
         offload, blocks = (rest + ["0", "0"])[:2]

@@ -286,3 +286,42 @@ def test_selective_decode_reads_held_host_blocks_on_the_device(device, dtype, fp
                                      host=(host[0].cpu(), None if host[1] is None else host[1].cpu(), host[2]),
                                      hot=hot.cpu())  # fmt: skip
     assert (twin - want.cpu().float()).abs().max() < 5e-3
+
+
+def test_admission_in_one_kernel_equals_the_torch_admission(device):
+    """The hot-block cache's admission (`kernels/hot_admission.py`) against `HotLayer.admit` in
+    torch, over steps of four sequences (one not selecting) choosing five columns each a KV head:
+    the same copies asked for and the same state after every step (two chunks of picks a head in
+    the interpreter, so the ranks carry over)."""
+    from tgserve.kernels.hot_admission import admit_triton
+    from tgserve.server.kv_cache.hot_blocks import HotBlockCache
+
+    first_slot, slots, host_blocks = 30, 6, 40
+    first_host = first_slot + slots
+    gen = torch.Generator().manual_seed(3)
+    # Each sequence's own host blocks (10 apiece) among device blocks, so no two picks of a head
+    # name the same block in a step.
+    tables = torch.zeros(4, 14, dtype=torch.int32)
+    for seq in range(4):
+        tables[seq, :10] = first_host + seq * 10 + torch.randperm(10, generator=gen).to(torch.int32)
+        tables[seq, 10:] = torch.randint(0, first_slot, (4,), generator=gen, dtype=torch.int32)
+    lengths = torch.tensor([50, 50, 0, 50], dtype=torch.int32)
+    want = HotBlockCache(1, 2, slots, first_slot, host_blocks, torch.device("cpu")).layers[0]
+    got = HotBlockCache(1, 2, slots, first_slot, host_blocks, torch.device(device)).layers[0]
+    for _ in range(8):
+        chosen = torch.stack(
+            [torch.stack([torch.randperm(14, generator=gen)[:5] for _ in range(2)]) for _ in range(4)]
+        )
+        sources, targets = want.admit(chosen, tables, lengths)
+        on = {name: getattr(got, name) for name in ("map", "owner", "read_at", "next", "clock", "counts")}
+        got_sources, got_targets = admit_triton(chosen.to(device), tables.to(device), lengths.to(device),
+                                                on["map"], on["owner"], on["read_at"], on["next"], on["clock"],
+                                                on["counts"], first_host, first_slot, got.limit)  # fmt: skip
+        assert torch.equal(got_targets.cpu(), targets) and torch.equal(got_sources.cpu(), sources)
+        for name, tensor in on.items():
+            mine = getattr(want, name)
+            live = tensor[:, :-1] if name in ("map", "owner", "read_at") else tensor  # not the writes' sink
+            assert torch.equal(live.cpu(), mine[:, :-1] if name in ("map", "owner", "read_at") else mine), (
+                name
+            )
+    assert int(want.counts[:, 0].sum()) > 0 and int(want.counts[:, 1].sum()) > 0

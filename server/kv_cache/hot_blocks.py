@@ -37,6 +37,11 @@ import torch
 
 from tgserve.kernels import dispatch
 
+# The admission in one Triton launch a layer on CUDA (`kernels/hot_admission.py`) instead of some forty
+# small torch kernels. Off until measured on a GPU: benchmarks/long_context_host_tier_cuda.py
+# --hot-admission kernel runs it beside the torch admission.
+ADMIT_IN_ONE_KERNEL = False
+
 
 @dataclass(frozen=True)
 class HotLayer:
@@ -46,8 +51,8 @@ class HotLayer:
     owner: torch.Tensor
     read_at: torch.Tensor
     next: torch.Tensor  # int64 [num_kv_heads]: each ring's next slot
-    clock: torch.Tensor  # int64 [1]: admissions so far
-    counts: torch.Tensor  # int64 [2]: chosen host blocks found held (hits), and not (misses)
+    clock: torch.Tensor  # int64 [num_kv_heads]: admissions so far (a clock a head: see hot_admission.py)
+    counts: torch.Tensor  # int64 [num_kv_heads, 2]: chosen host blocks found held (hits), and not (misses)
     first_slot: int  # the device block of slot 0
     first_host: int  # the first host id of the block tables
 
@@ -59,13 +64,24 @@ class HotLayer:
     def none_block(self) -> int:
         return self.map.shape[1] - 1
 
+    @property
+    def limit(self) -> int:
+        """Misses admitted a step, at most: half the slots, so a block stays at least two steps."""
+        return max(1, self.slots // 2)
+
     def admit(
         self, chosen: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Account for a step's choice and admit its misses: chosen int64 [n, num_kv_heads, c]
         block-table columns of `tables` [n, width], lengths [n] (0: the sequence does not select,
         its columns are not read). Returns (host blocks, device blocks or -1), int64 [num_kv_heads,
-        n * c]: what `dispatch.fill_from_host` must copy before decode reads the map."""
+        n * c]: what `dispatch.fill_from_host` must copy before decode reads the map. On CUDA with
+        ADMIT_IN_ONE_KERNEL, `kernels/hot_admission.py` does it in one launch."""
+        if ADMIT_IN_ONE_KERNEL and chosen.is_cuda:
+            from tgserve.kernels.hot_admission import admit_triton
+
+            return admit_triton(chosen, tables, lengths, self.map, self.owner, self.read_at, self.next, self.clock,
+                                self.counts, self.first_host, self.first_slot, self.limit)  # fmt: skip
         n, heads, c = chosen.shape
         pages = tables.long().gather(1, chosen.reshape(n, heads * c)).view(n, heads, c)
         on_host = (pages >= self.first_host) & (lengths > 0).view(n, 1, 1)
@@ -76,12 +92,11 @@ class HotLayer:
         held = self.map.gather(1, blocks).long()
         hit = on_host & (held >= 0)
         self.clock.add_(1)
-        now = self.clock.expand(blocks.shape)
-        none = self.slots
+        now = self.clock[:, None].expand(blocks.shape)
+        none, limit = self.slots, self.limit
         self.read_at.scatter_(1, torch.where(hit, held - self.first_slot, none), now)
         miss = on_host & ~hit
         rank = miss.long().cumsum(1) - 1
-        limit = max(1, self.slots // 2)
         victim = (self.next[:, None] + rank.clamp(min=0)) % self.slots
         admitted = miss & (rank < limit) & (self.read_at.gather(1, victim) < now)
         slot = torch.where(admitted, victim, none)
@@ -94,7 +109,7 @@ class HotLayer:
         self.owner.scatter_(1, slot, torch.where(admitted, blocks, -1))
         self.read_at.scatter_(1, slot, now)
         self.next.copy_((self.next + miss.sum(1).clamp(max=limit)) % self.slots)
-        self.counts.add_(torch.stack([hit.sum(), miss.sum()]))
+        self.counts.add_(torch.stack([hit.sum(1), miss.sum(1)], dim=1))
         return blocks, torch.where(admitted, slot + self.first_slot, -1)
 
 
@@ -121,8 +136,8 @@ class HotBlockCache:
                 owner=torch.full((num_kv_heads, slots + 1), -1, dtype=torch.int64, device=device),
                 read_at=torch.zeros(num_kv_heads, slots + 1, dtype=torch.int64, device=device),
                 next=torch.zeros(num_kv_heads, dtype=torch.int64, device=device),
-                clock=torch.zeros(1, dtype=torch.int64, device=device),
-                counts=torch.zeros(2, dtype=torch.int64, device=device),
+                clock=torch.zeros(num_kv_heads, dtype=torch.int64, device=device),
+                counts=torch.zeros(num_kv_heads, 2, dtype=torch.int64, device=device),
                 first_slot=first_slot,
                 first_host=first_host,
             )
@@ -143,7 +158,7 @@ class HotBlockCache:
         self.maps.index_fill_(2, host_ids, -1)
 
     def _totals(self) -> torch.Tensor:
-        return torch.stack([layer.counts for layer in self.layers]).sum(0)
+        return torch.stack([layer.counts for layer in self.layers]).sum((0, 1))
 
     def counts(self) -> tuple[int, int]:
         """(hits, misses) over every layer so far: chosen host blocks read from the device and not
