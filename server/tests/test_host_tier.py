@@ -347,3 +347,28 @@ def test_chosen_host_blocks_are_read_from_the_hot_block_cache_token_exact(monkey
     assert (stats.host_hot_block_hits, stats.host_hot_block_misses) == (hits, misses)  # /metrics reads these
     assert stats.host_spilled_blocks >= 2 * (60 - 24) and stats.num_preemptions == 0
     assert stats.num_free_blocks == stats.num_total_blocks == 24
+
+
+def test_a_request_aborted_while_its_host_blocks_are_held_leaves_nothing_stale(monkeypatch):
+    """A spilled request whose chosen host blocks the hot-block cache holds is aborted mid-decode;
+    the next request spills into the same host blocks and reads only its own keys and values (the
+    tokens of a pool that holds it all), and no block of either pool is left held."""
+    monkeypatch.setattr(model_shard, "HOT_BLOCK_SHARE", 0.5)
+    rng = random.Random(13)
+    model = str(fixture_path("llama"))
+    selecting = dict(decode_attention_budget=128, decode_attention_min_context=64, kv_cache_dtype="fp8")
+    llm = LLM(model, kv_offload_gb=HOST_GIB * 2, **POOL, **selecting)
+    engine, hot = llm.engine, llm.engine.shard.host_pool.hot_blocks
+    first, second = ([rng.randrange(5, engine.vocab_size) for _ in range(400)] for _ in range(2))
+    engine.add_request("first", first, SamplingParams(temperature=0.0, max_new_tokens=100, ignore_eos=True))
+    while hot.counts()[0] == 0 or engine.scheduler.get_request("first").num_output_tokens < 8:
+        engine.step()
+    engine.abort_requests(["first"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    params = SamplingParams(temperature=0.0, max_new_tokens=30, ignore_eos=True)
+    want = LLM(model, **{**POOL, "num_blocks": 128}, **selecting).generate([second], params)[0].token_ids
+    assert llm.generate([second], params)[0].token_ids == want
+    stats = engine.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+    assert engine.scheduler.block_manager.host_tier.num_held_blocks == 0
