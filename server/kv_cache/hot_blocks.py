@@ -82,20 +82,32 @@ class HotLayer:
 
             return admit_triton(chosen, tables, lengths, self.map, self.owner, self.read_at, self.next, self.clock,
                                 self.counts, self.first_host, self.first_slot, self.limit)  # fmt: skip
-        n, heads, c = chosen.shape
-        pages = tables.long().gather(1, chosen.reshape(n, heads * c)).view(n, heads, c)
-        on_host = (pages >= self.first_host) & (lengths > 0).view(n, 1, 1)
-        blocks = (
-            torch.where(on_host, pages - self.first_host, self.none_block).transpose(0, 1).reshape(heads, -1)
-        )
-        on_host = on_host.transpose(0, 1).reshape(heads, -1)
+        blocks, on_host = self._host_blocks(chosen, tables, lengths)
         held = self.map.gather(1, blocks).long()
         hit = on_host & (held >= 0)
         self.clock.add_(1)
         now = self.clock[:, None].expand(blocks.shape)
-        none, limit = self.slots, self.limit
-        self.read_at.scatter_(1, torch.where(hit, held - self.first_slot, none), now)
+        self.read_at.scatter_(1, torch.where(hit, held - self.first_slot, self.slots), now)
         miss = on_host & ~hit
+        slot = self._take_slots(blocks, miss, now)
+        self.counts.add_(torch.stack([hit.sum(1), miss.sum(1)], dim=1))
+        return blocks, torch.where(slot < self.slots, slot + self.first_slot, -1)
+
+    def _host_blocks(
+        self, chosen: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per KV head, each pick's host block (none_block where it is not one) and whether it is,
+        [num_kv_heads, n * c]."""
+        n, heads, c = chosen.shape
+        pages = tables.long().gather(1, chosen.reshape(n, heads * c)).view(n, heads, c)
+        on_host = (pages >= self.first_host) & (lengths > 0).view(n, 1, 1)
+        blocks = torch.where(on_host, pages - self.first_host, self.none_block)
+        return blocks.transpose(0, 1).reshape(heads, -1), on_host.transpose(0, 1).reshape(heads, -1)
+
+    def _take_slots(self, blocks: torch.Tensor, miss: torch.Tensor, now: torch.Tensor) -> torch.Tensor:
+        """The misses' slots from the ring, in order (`slots` where a miss is not admitted: past the
+        limit, or its slot was read this step); the blocks leaving lose their map entries."""
+        none, limit = self.slots, self.limit
         rank = miss.long().cumsum(1) - 1
         victim = (self.next[:, None] + rank.clamp(min=0)) % self.slots
         admitted = miss & (rank < limit) & (self.read_at.gather(1, victim) < now)
@@ -109,8 +121,7 @@ class HotLayer:
         self.owner.scatter_(1, slot, torch.where(admitted, blocks, -1))
         self.read_at.scatter_(1, slot, now)
         self.next.copy_((self.next + miss.sum(1).clamp(max=limit)) % self.slots)
-        self.counts.add_(torch.stack([hit.sum(1), miss.sum(1)], dim=1))
-        return blocks, torch.where(admitted, slot + self.first_slot, -1)
+        return slot
 
 
 class HotBlockCache:
