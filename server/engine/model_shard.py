@@ -355,7 +355,9 @@ class ModelShard:
         where the long-context tier does not select."""
         if self.spill_min_context is None:
             return 0
-        selecting = [spec for spec in self.specs if spec.summary_dtype is not None]
+        selecting = [
+            spec for spec in self.specs if spec.summary_dtype is not None and spec.reads_kv_of is None
+        ]
         return sum(
             key_copy_bytes(self.args.block_size, spec.num_kv_heads, spec.head_dim) for spec in selecting
         )

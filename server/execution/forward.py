@@ -3,6 +3,7 @@ set as the forward context: what every executor runs, and what the memory profil
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import replace
 
 import torch
@@ -56,9 +57,10 @@ class ModelForward:
         pool's last `hot_slots` blocks before `first` (`HotBlockCache`: chosen host blocks that
         decode then reads on the device), for the host pool to keep true."""
         rest, mirrors, self.host_blocks, selecting = iter(views), [], [], []
-        per_layer = zip(self.kv_caches, self.kv_scales or [None] * len(self.kv_caches),
-                        self.key_summaries or [None] * len(self.kv_caches), strict=True)  # fmt: skip
-        for device_cache, scale, summary in per_layer:
+        for spec, (device_cache, scale, summary) in zip(self.specs, self._per_layer(), strict=True):
+            if spec.reads_kv_of is not None:  # another layer's tensors: its host blocks too (below)
+                self.host_blocks.append(None)
+                continue
             cache, host_scale = next(rest), None if scale is None else next(rest)
             host_summary = None
             if summary is not None:
@@ -67,8 +69,19 @@ class ModelForward:
                 mirrors.append((summary, host_summary))
                 selecting.append((len(self.host_blocks), device_cache, scale))
             self.host_blocks.append(HostBlocks(first, cache, host_scale, host_summary))
+        copies, hot = self._host_block_copies(selecting, first, key_copy_slots, hot_slots)
+        for layer, spec in enumerate(self.specs):
+            if spec.reads_kv_of is not None:
+                self.host_blocks[layer] = self.host_blocks[spec.reads_kv_of]
+        return mirrors, copies, hot
+
+    def _host_block_copies(
+        self, selecting: list[tuple[int, torch.Tensor, torch.Tensor | None]], first: int, key_copy_slots: int,
+        hot_slots: int,
+    ) -> tuple[HostKeyCopies | None, HotBlockCache | None]:  # fmt: skip
+        """The selecting layers' key copies and hot-block cache (see `attach_host_tier`)."""
         if not selecting:
-            return mirrors, None, None
+            return None, None
         host_blocks = self.host_blocks[selecting[0][0]].cache.shape[1]
         copies, hot = None, None
         if key_copy_slots:
@@ -78,20 +91,35 @@ class ModelForward:
             for (layer, _, _), copy in zip(selecting, copies.layers, strict=True):
                 self.host_blocks[layer] = replace(self.host_blocks[layer], key_copy=copy)
         if hot_slots:
-            num_kv_heads, device = selecting[0][1].shape[3], selecting[0][1].device
+            num_kv_heads = max(cache.shape[3] for _, cache, _ in selecting)
             hot = HotBlockCache(
-                len(selecting), num_kv_heads, hot_slots, first - hot_slots, host_blocks, device
+                len(selecting),
+                num_kv_heads,
+                hot_slots,
+                first - hot_slots,
+                host_blocks,
+                selecting[0][1].device,
             )
             for (layer, _, _), hot_layer in zip(selecting, hot.layers, strict=True):
                 self.host_blocks[layer] = replace(self.host_blocks[layer], hot=hot_layer)
-        return mirrors, copies, hot
+        return copies, hot
+
+    def _per_layer(self) -> Iterator[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
+        """Each layer's (cache, fp8 scales or None, key summaries or None)."""
+        none = [None] * len(self.kv_caches)
+        return zip(self.kv_caches, self.kv_scales or none, self.key_summaries or none, strict=True)
 
     def block_tensors(self) -> list[torch.Tensor]:
         """Every pool tensor indexed by block at dimension 1 ([2, num_blocks, ...]): what one block
-        of the pool is, layer by layer (its keys and values, scales, key summaries)."""
-        per_layer = zip(self.kv_caches, self.kv_scales or [None] * len(self.kv_caches),
-                        self.key_summaries or [None] * len(self.kv_caches), strict=True)  # fmt: skip
-        return [t for tensors in per_layer for t in tensors if t is not None]
+        of the pool is, layer by layer (its keys and values, scales, key summaries); a layer that
+        reads another's keys and values has none of its own."""
+        return [
+            t
+            for spec, tensors in zip(self.specs, self._per_layer(), strict=True)
+            if spec.reads_kv_of is None
+            for t in tensors
+            if t is not None
+        ]
 
     def release_pool(self) -> None:
         self.kv_caches, self.kv_scales, self.key_summaries, self.host_blocks = [], [], [], []

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from tgserve.server.kv_cache.spec import KVCacheSpec
@@ -12,16 +15,25 @@ def num_blocks_for_memory(specs: list[KVCacheSpec], block_size: int, memory_byte
     return max(1, memory_bytes // sum(spec.bytes_per_block(block_size) for spec in specs))
 
 
+def _per_layer(specs: list[KVCacheSpec], make: Callable[[KVCacheSpec], Any]) -> list[Any]:
+    """make(spec) for each layer; a layer that reads another's keys and values (`reads_kv_of`)
+    gets that layer's tensor itself."""
+    tensors: list[Any] = []
+    for spec in specs:
+        tensors.append(make(spec) if spec.reads_kv_of is None else tensors[spec.reads_kv_of])
+    return tensors
+
+
 def allocate_kv_caches(
     specs: list[KVCacheSpec], num_blocks: int, block_size: int, device: torch.device
 ) -> list[torch.Tensor]:
     """One zeroed tensor per layer, [2, num_blocks, block_size, num_kv_heads, head_dim]."""
-    return [
-        torch.zeros(
+    return _per_layer(
+        specs,
+        lambda spec: torch.zeros(
             2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype, device=device
-        )
-        for spec in specs
-    ]
+        ),
+    )
 
 
 def allocate_kv_scales(
@@ -29,12 +41,14 @@ def allocate_kv_scales(
 ) -> list[torch.Tensor | None]:
     """Per layer, an fp8 cache's scales [2, num_blocks, num_kv_heads, block_size] float32 (zeros:
     a slot is read only after its row and scale are written), or None for a cache without."""
-    return [
-        torch.zeros(2, num_blocks, spec.num_kv_heads, block_size, dtype=torch.float32, device=device)
-        if spec.scaled
-        else None
-        for spec in specs
-    ]
+    return _per_layer(
+        specs,
+        lambda spec: (
+            torch.zeros(2, num_blocks, spec.num_kv_heads, block_size, dtype=torch.float32, device=device)
+            if spec.scaled
+            else None
+        ),
+    )
 
 
 def allocate_key_summaries(
@@ -42,14 +56,16 @@ def allocate_key_summaries(
 ) -> list[torch.Tensor | None]:
     """Per layer, its blocks' key summaries [2, num_blocks, num_kv_heads, head_dim] (selective
     decode; a block's are set when its first slot is written), or None for a layer without."""
-    return [
-        None
-        if spec.summary_dtype is None
-        else torch.zeros(
-            2, num_blocks, spec.num_kv_heads, spec.head_dim, dtype=spec.summary_dtype, device=device
-        )
-        for spec in specs
-    ]
+    return _per_layer(
+        specs,
+        lambda spec: (
+            None
+            if spec.summary_dtype is None
+            else torch.zeros(
+                2, num_blocks, spec.num_kv_heads, spec.head_dim, dtype=spec.summary_dtype, device=device
+            )
+        ),
+    )
 
 
 def scratch_slot(kv_cache: torch.Tensor) -> int:

@@ -45,6 +45,9 @@ class KVCacheSpec:
     dtype: torch.dtype  # what the cache stores: the model's dtype, or fp8
     sliding_window: int | None = None
     summary_dtype: torch.dtype | None = None  # the blocks' key summaries (selective decode), or none
+    # KV sharing (Gemma 3n, Gemma 4's small models): a layer that attends over an earlier layer's keys
+    # and values, which it is handed and stores again unchanged; its cache is that layer's tensors.
+    reads_kv_of: int | None = None
 
     @property
     def kind(self) -> str:
@@ -56,17 +59,18 @@ class KVCacheSpec:
         return self.dtype == FP8
 
     def bytes_per_token(self) -> int:
-        """Keys and values (and an fp8 cache's scales); the block's summary is `summary_bytes`."""
+        """Keys and values (and an fp8 cache's scales); the block's summary is `summary_bytes`.
+        Nothing for a layer that reads another's (`reads_kv_of`)."""
+        if self.reads_kv_of is not None:
+            return 0
         row = self.head_dim * self.dtype.itemsize + (4 if self.scaled else 0)
         return 2 * self.num_kv_heads * row
 
     def summary_bytes(self) -> int:
         """A block's key summary: minimum and maximum per KV head and channel."""
-        return (
-            0
-            if self.summary_dtype is None
-            else 2 * self.num_kv_heads * self.head_dim * self.summary_dtype.itemsize
-        )
+        if self.summary_dtype is None or self.reads_kv_of is not None:
+            return 0
+        return 2 * self.num_kv_heads * self.head_dim * self.summary_dtype.itemsize
 
     def bytes_per_block(self, block_size: int) -> int:
         return block_size * self.bytes_per_token() + self.summary_bytes()
@@ -166,17 +170,38 @@ def layer_configs(config: Any) -> list[Any]:
 def kv_cache_specs(config: Any, dtype: torch.dtype, tensor_parallel_size: int = 1) -> list[KVCacheSpec]:
     """The cache every layer of this architecture needs, read off its HF config (each layer's own,
     `layer_configs`), storing `dtype` (`kv_cache_dtype`); with tensor parallelism, one shard's
-    (its share of the KV heads)."""
-    windows = layer_sliding_windows(config)
+    (its share of the KV heads). Layers that reuse an earlier layer's keys and values read its cache."""
+    per_layer = zip(
+        layer_configs(config), layer_sliding_windows(config), kv_sharing_sources(config), strict=True
+    )
     return [
         KVCacheSpec(
             split_evenly(num_kv_heads(layer), tensor_parallel_size, "KV heads"),
             head_dim(layer),
             dtype,
             window,
+            reads_kv_of=source,
         )
-        for layer, window in zip(layer_configs(config), windows, strict=True)
+        for layer, window, source in per_layer
     ]
+
+
+def kv_sharing_sources(config: Any) -> list[int | None]:
+    """Per layer, the earlier layer whose keys and values it attends over, or None. transformers 5
+    names the sharing (`kv_sharing_modes`: "reuse" layers take the keys and values of the last
+    "store" layer of their type, handed to their attention as they are): such layers store the
+    same rows again, so their cache can be the source's. Configs without it (transformers 4's Gemma
+    3n computes the shared layers' keys itself) keep a cache a layer."""
+    try:
+        modes = getattr(config, "kv_sharing_modes", None)
+    except (ValueError, RuntimeError):  # an inconsistent sharing (no layer to share from): none
+        modes = None
+    n = num_layers(config)
+    if not isinstance(modes, list | tuple) or "reuse" not in modes:
+        return [None] * n
+    kinds = config.layer_types
+    stores = {kinds[i]: i for i in range(n) if modes[i] == "store"}
+    return [stores[kinds[i]] if modes[i] == "reuse" else None for i in range(n)]
 
 
 def with_key_summaries(specs: list[KVCacheSpec], dtype: torch.dtype) -> list[KVCacheSpec]:

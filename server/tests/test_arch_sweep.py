@@ -195,3 +195,24 @@ def test_dummy_weights_serve_any_architecture_from_its_config_alone(tmp_path, mo
     llm = LLM(str(tmp_path), load_format="dummy", dtype="float32", device="cpu", block_size=8, num_blocks=32)
     params = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
     assert len(llm.generate([[5, 6, 7, 8]], params)[0].token_ids) == 4
+
+
+def test_layers_that_reuse_earlier_layers_keys_and_values_share_their_cache(tmp_path):
+    """Gemma 4's last layers attend over the keys and values of the last earlier layer of their
+    kind (`kv_sharing_modes`): their cache is that layer's tensors (they store the same rows again),
+    so a token's KV bytes are those of the layers that compute their own; tokens as transformers'."""
+    from tgserve.server.engine.llm import LLM
+    from tgserve.server.kv_cache.spec import kv_bytes_per_token
+
+    sharing = dict(
+        **GEMMA_4_LAYERS, num_kv_shared_layers=2, attention_k_eq_v=True, num_global_key_value_heads=1
+    )
+    row = run_one("gemma4_text", "Gemma4ForCausalLM", tmp_path, **sharing)
+    assert row.status == "exact", row
+    llm = LLM(str(tmp_path / "gemma4_text"), dtype="float32", device="cpu", num_blocks=16, block_size=8)
+    shard = llm.engine.shard
+    assert [spec.reads_kv_of for spec in shard.specs] == [None, None, 0, 1]
+    caches = shard.forward.kv_caches
+    assert caches[2] is caches[0] and caches[3] is caches[1]
+    own = kv_bytes_per_token(shard.specs[:2], 8)
+    assert kv_bytes_per_token(shard.specs, 8) == own == 2 * 4 * (2 * 16 + 1 * 32)

@@ -372,3 +372,28 @@ def test_a_request_aborted_while_its_host_blocks_are_held_leaves_nothing_stale(m
     stats = engine.stats()
     assert stats.num_free_blocks == stats.num_total_blocks
     assert engine.scheduler.block_manager.host_tier.num_held_blocks == 0
+
+
+def test_layers_sharing_keys_and_values_spill_and_select_as_one(tmp_path, monkeypatch):
+    """Gemma 4 with its last layers reading earlier layers' keys and values (one cache between
+    them), a prompt larger than the pool: the shared caches spill to host and are selected over
+    and held in the hot-block cache as one; tokens of a pool that holds it all."""
+    from tgserve.server.testing.arch_sweep import run_one
+
+    monkeypatch.setattr(model_shard, "HOT_BLOCK_SHARE", 0.5)
+    kinds = ["sliding_attention", "full_attention"] * 2
+    row = run_one("gemma4_text", "Gemma4ForCausalLM", tmp_path, layer_types=kinds, num_hidden_layers=4,
+                  num_kv_shared_layers=2, attention_k_eq_v=True, num_global_key_value_heads=1)  # fmt: skip
+    assert row.status == "exact", row
+    path, rng = str(tmp_path / "gemma4_text"), random.Random(3)
+    selecting = dict(decode_attention_budget=128, decode_attention_min_context=64, kv_cache_dtype="fp8")
+    large = LLM(path, **{**POOL, "num_blocks": 128}, **selecting)
+    prompt = [rng.randrange(5, large.engine.vocab_size) for _ in range(300)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=30, ignore_eos=True)
+    want = large.generate([prompt], params)[0].token_ids
+    host_gib = 64 * large.engine.shard.host_block_bytes / 2**30
+    llm = LLM(path, kv_offload_gb=host_gib, **POOL, **selecting)
+    assert llm.generate([prompt], params)[0].token_ids == want
+    assert (
+        llm.engine.stats().host_spilled_blocks > 0 and llm.engine.shard.host_pool.hot_blocks.counts()[0] > 0
+    )
