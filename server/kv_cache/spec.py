@@ -167,22 +167,33 @@ def layer_configs(config: Any) -> list[Any]:
     return [config] * n
 
 
+# Models whose layers of a kind have more KV heads than the config says, by a rule in their code:
+# MiMo-V2-Flash's sliding-window layers have twice `num_key_value_heads` (found by the sweep).
+KV_HEADS_FACTOR_BY_LAYER_TYPE = {"mimo_v2_flash": {"sliding_attention": 2}}
+
+
+def layer_kv_heads(config: Any) -> list[int]:
+    """Per layer, its KV heads: each layer's config's, times a model's own factor for its kind."""
+    factors = KV_HEADS_FACTOR_BY_LAYER_TYPE.get(getattr(config, "model_type", None), {})
+    kinds = getattr(config, "layer_types", None) or [None] * num_layers(config)
+    return [num_kv_heads(layer) * factors.get(kind, 1) for layer, kind in zip(layer_configs(config), kinds)]
+
+
 def kv_cache_specs(config: Any, dtype: torch.dtype, tensor_parallel_size: int = 1) -> list[KVCacheSpec]:
     """The cache every layer of this architecture needs, read off its HF config (each layer's own,
     `layer_configs`), storing `dtype` (`kv_cache_dtype`); with tensor parallelism, one shard's
     (its share of the KV heads). Layers that reuse an earlier layer's keys and values read its cache."""
-    per_layer = zip(
-        layer_configs(config), layer_sliding_windows(config), kv_sharing_sources(config), strict=True
-    )
+    per_layer = zip(layer_configs(config), layer_kv_heads(config), layer_sliding_windows(config),
+                    kv_sharing_sources(config), strict=True)  # fmt: skip
     return [
         KVCacheSpec(
-            split_evenly(num_kv_heads(layer), tensor_parallel_size, "KV heads"),
+            split_evenly(heads, tensor_parallel_size, "KV heads"),
             head_dim(layer),
             dtype,
             window,
             reads_kv_of=source,
         )
-        for layer, window, source in per_layer
+        for layer, heads, window, source in per_layer
     ]
 
 

@@ -29,6 +29,7 @@ SAMPLE = [
     ("xlnet", "XLNetLMHeadModel"),  # its own inputs for generation (a permutation mask), recomputed
     ("gemma4_text", "Gemma4ForCausalLM"),  # per-layer configs: full-attention layers' heads twice as wide
     ("gemma3n_text", "Gemma3nForCausalLM"),  # the last layers reuse earlier layers' KV; per-layer inputs
+    ("mimo_v2_flash", "MiMoV2FlashForCausalLM"),  # sliding layers with twice the KV heads, and sinks
 ]
 GEMMA_4_LAYERS = dict(layer_types=["sliding_attention", "full_attention"] * 2, num_hidden_layers=4)
 
