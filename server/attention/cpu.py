@@ -183,11 +183,11 @@ def gathered_blocks(
     batch = group.query_pos.shape[0]
     keys, values = paged_blocks(kv_cache, kv_scale, host, group.block_ids)
     if host is not None and host.hot is not None:
-        keys, values = _through_hot_blocks(keys, values, kv_cache, kv_scale, host, group.block_ids)
+        keys, values = _with_held_heads(keys, values, kv_cache, kv_scale, host, group.block_ids)
     return keys.view(batch, -1, *keys.shape[1:]), values.view(batch, -1, *values.shape[1:])
 
 
-def _through_hot_blocks(
+def _with_held_heads(
     keys: torch.Tensor,
     values: torch.Tensor,
     kv_cache: torch.Tensor,

@@ -206,7 +206,7 @@ class ModelShard:
             return args.num_blocks
         scratch = self.backend.scratch_blocks  # allocated beyond the block manager's blocks
         if not self._profiles_gpu_memory():
-            memory = self._less_key_copies(
+            memory = self._less_host_tier_copies(
                 (args.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES) - self.host_summary_bytes
             )
             return max(1, num_blocks_for_memory(self.specs, args.block_size, memory) - scratch)
@@ -219,10 +219,10 @@ class ModelShard:
             self._profile_whole_prompt(self._whole_prompt_step())
         self.forward.release_pool()
         logger.info(self.memory_profile.describe())
-        budget = self._less_key_copies(self.memory_profile.kv_budget_bytes - self.host_summary_bytes)
+        budget = self._less_host_tier_copies(self.memory_profile.kv_budget_bytes - self.host_summary_bytes)
         return max(1, num_blocks_for_memory(self.specs, args.block_size, budget) - scratch)
 
-    def _less_key_copies(self, budget: int) -> int:
+    def _less_host_tier_copies(self, budget: int) -> int:
         """The KV budget less what the host blocks' key copies and the hot-block cache take of it
         (`key_copy_slots` and `hot_slots` set)."""
         self.key_copy_slots = self._key_copy_slots(budget)
@@ -325,8 +325,7 @@ class ModelShard:
     @property
     def host_block_bytes(self) -> int:
         """Bytes of one KV block across every layer and shard: what the host tier holds a block in."""
-        per_shard = sum(spec.bytes_per_block(self.args.block_size) for spec in self.specs)
-        return per_shard * self.args.tensor_parallel_size
+        return self.device_block_bytes * self.args.tensor_parallel_size
 
     @property
     def spill_keep(self) -> tuple[int, int] | None:

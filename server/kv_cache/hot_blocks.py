@@ -181,7 +181,7 @@ class HotBlockCache:
         """`counts` as of an earlier call on CUDA, without waiting for the device (the engine's stats
         go out every second while it steps; a read that waited would stall the step in flight):
         each call starts a copy to host memory that a later call reads once it is done."""
-        if self._copied is None and self.maps.device.type != "cuda":
+        if self.maps.device.type != "cuda":
             return self.counts()
         if self._copied is not None and self._copied.query():
             hits, misses = self._on_host.tolist()

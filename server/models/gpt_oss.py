@@ -29,8 +29,8 @@ from torch import nn
 from tgserve.kernels import dispatch
 from tgserve.kernels.moe_routing import ClampedSwiGLU, route_top_logits
 from tgserve.server.distributed.tensor_parallel import tensor_parallel
-from tgserve.server.models.llama import LlamaForCausalLM, load_fused_weights
-from tgserve.server.models.moe import ExpertWeights, in_row_slices
+from tgserve.server.models.llama import LlamaForCausalLM
+from tgserve.server.models.moe import ExpertWeights, experts_of, in_row_slices, load_with_experts
 
 # e2m1 values by their 4-bit code (sign in the high bit).
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -121,19 +121,10 @@ class GptOssForCausalLM(LlamaForCausalLM):
     runs_on_hpu = False
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        modules = {name: m for name, m in self.named_modules() if isinstance(m, GptOssExperts)}
-        stacks = [
-            f"{name}.{param}" for name in modules for param in ("w_gate_up", "w_down", "b_gate_up", "b_down")
-        ]
-        load_fused_weights(self, self._placed_experts(weights, modules), stacks)
-        for name, module in modules.items():
-            if missing := module.missing():
-                raise ValueError(
-                    f"checkpoint lacks {len(missing)} expert weights of {name}, e.g. {missing[:3]}"
-                )
+        load_with_experts(self, weights, self._placed_experts)
 
     def _placed_experts(
-        self, weights: Iterable[tuple[str, torch.Tensor]], modules: dict[str, GptOssExperts]
+        self, weights: Iterable[tuple[str, torch.Tensor]], modules: dict[str, ExpertWeights]
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Expert tensors into their stacks (MXFP4 blocks waiting for their scales, or the other
         way round); every other weight passed on."""
@@ -144,9 +135,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
             if match is None:
                 yield name, tensor
                 continue
-            experts = modules.get(f"{match['layer']}.experts")
-            if experts is None:
-                raise ValueError(f"checkpoint weight {name!r} has no place in this model")
+            experts = experts_of(modules, match["layer"], name)
             part, kind = match["part"], match["kind"]
             if kind == "_bias":
                 experts.load_bias(part, tensor.to(dtype))

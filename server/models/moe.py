@@ -153,6 +153,35 @@ def _dequantized(weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tens
     return weight.float() * (scale.reshape(-1, 1) if scale.numel() == weight.shape[0] else scale.reshape(()))
 
 
+ExpertPlacer = Callable[
+    [Iterable[tuple[str, torch.Tensor]], dict[str, ExpertWeights]], Iterator[tuple[str, torch.Tensor]]
+]
+
+
+def load_with_experts(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], place: ExpertPlacer
+) -> None:
+    """A mixture-of-experts model's checkpoint: `place` copies the expert tensors into the model's
+    `ExpertWeights` (by module name) and passes every other weight on to the llama family's loader;
+    every expert parameter is checked filled."""
+    modules = {name: m for name, m in model.named_modules() if isinstance(m, ExpertWeights)}
+    stacks = [
+        f"{name}.{param}" for name, m in modules.items() for param, _ in m.named_parameters(recurse=False)
+    ]
+    load_fused_weights(model, place(weights, modules), stacks)
+    for name, module in modules.items():
+        if missing := module.missing():
+            raise ValueError(f"checkpoint lacks {len(missing)} expert weights of {name}, e.g. {missing[:3]}")
+
+
+def experts_of(modules: dict[str, ExpertWeights], layer: str, source: str) -> ExpertWeights:
+    """The experts of layer `layer` (a checkpoint name's prefix up to `.mlp`), for weight `source`."""
+    module = modules.get(f"{layer}.experts")
+    if module is None:
+        raise ValueError(f"checkpoint weight {source!r} has no place in this model")
+    return module
+
+
 def _mixtral_names(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     for name, tensor in weights:
         yield name.replace(".block_sparse_moe.", ".mlp."), tensor
@@ -172,14 +201,7 @@ class MoEForCausalLM(LlamaForCausalLM):
         return LlamaForCausalLM.serves(config) and config.hidden_act in ("silu", "swish")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        expert_modules = {name: m for name, m in self.named_modules() if isinstance(m, ExpertWeights)}
-        stacks = [f"{name}.{param}" for name in expert_modules for param in ("w_gate_up", "w_down")]
-        load_fused_weights(self, self._placed_experts(_mixtral_names(weights), expert_modules), stacks)
-        for name, module in expert_modules.items():
-            if missing := module.missing():
-                raise ValueError(
-                    f"checkpoint lacks {len(missing)} expert weights of {name}, e.g. {missing[:3]}"
-                )
+        load_with_experts(self, _mixtral_names(weights), self._placed_experts)
 
     def _placed_experts(
         self, weights: Iterable[tuple[str, torch.Tensor]], modules: dict[str, ExpertWeights]
@@ -192,7 +214,7 @@ class MoEForCausalLM(LlamaForCausalLM):
         for name, tensor in weights:
             one, stacked = _ONE_EXPERT.match(name), _STACKED.match(name)
             if stacked:
-                self._experts(modules, stacked["layer"], name).load_stacked(stacked["part"], tensor)
+                experts_of(modules, stacked["layer"], name).load_stacked(stacked["part"], tensor)
             elif not one or one["part"] not in EXPERT_PARTS:
                 yield name, tensor
             elif one["kind"] != "input_scale":
@@ -204,7 +226,7 @@ class MoEForCausalLM(LlamaForCausalLM):
                     continue
                 del waiting[key]
                 target, part = EXPERT_PARTS[one["part"]]
-                experts = self._experts(modules, one["layer"], name)
+                experts = experts_of(modules, one["layer"], name)
                 experts.load_expert(
                     int(one["expert"]), target, part, _dequantized(weight, pair.get("weight_scale"))
                 )
@@ -212,10 +234,3 @@ class MoEForCausalLM(LlamaForCausalLM):
             raise ValueError(
                 f"checkpoint has fp8 expert weights without their scales, or scales alone: {sorted(waiting)[:3]}"
             )
-
-    @staticmethod
-    def _experts(modules: dict[str, ExpertWeights], layer: str, source: str) -> ExpertWeights:
-        module = modules.get(f"{layer}.experts")
-        if module is None:
-            raise ValueError(f"checkpoint weight {source!r} has no place in this model")
-        return module
