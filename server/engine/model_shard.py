@@ -288,8 +288,9 @@ class ModelShard:
         are warmed up over it), then the runner that steps through them."""
         self.num_blocks = num_blocks
         if self.key_copy_slots is None:  # a pool of blocks as given: copies and hot blocks beside its bytes
-            self.key_copy_slots = self._key_copy_slots(num_blocks * self.host_block_bytes)
-            self.hot_slots = self._hot_slots(num_blocks * self.device_block_bytes)
+            pool_bytes = num_blocks * self.device_block_bytes  # this shard's, as the copies' bytes are
+            self.key_copy_slots = self._key_copy_slots(pool_bytes)
+            self.hot_slots = self._hot_slots(pool_bytes)
         self.forward.allocate_pool(self.first_host_block_id, self.args.block_size, self.device)
         if self.num_host_blocks:
             self.host_pool = HostKVPool(self.forward.block_tensors(), self.num_host_blocks, self.device)
