@@ -48,7 +48,7 @@ def test_tail_gives_dense_attention_where_blocks_are_uniform():
     index = estimate_index(q, k, scale, [SPARSE] * heads, block, last_q=block)
     assert index.density() < 0.6, "the pattern skips blocks"
     assert (without - dense).abs().max() > 1e-2, "skipping blocks changes the output"
-    assert (with_tail - dense).abs().max() < 1e-5
+    assert (with_tail - dense).abs().max() < 1e-4  # fp32 sums in another order on a GPU: 1.4e-5 seen
 
 
 def test_columns_are_taken_out_of_the_tail():

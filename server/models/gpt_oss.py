@@ -48,6 +48,11 @@ def mxfp4_dequantized(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.d
     return values.flatten(-2).to(dtype)
 
 
+# The gate's sigmoid slope and the clamp of gate and up: older transformers fix them in the model
+# (1.702, 7.0) and some of its configs lack the fields; newer ones read swiglu_alpha / swiglu_limit.
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
+
+
 class GptOssExperts(ExpertWeights):
     """ExpertWeights with a bias for each projection: b_gate_up [E, 2 I_shard] (gate, then up, as
     w_gate_up's rows), b_down [E, H] (zeros on every shard but the first)."""
@@ -94,7 +99,10 @@ class GptOssMoE(nn.Module):
         self.top_k = int(config.num_experts_per_tok)
         self.router = nn.Linear(config.hidden_size, experts, bias=True)
         self.experts = GptOssExperts(experts, config.hidden_size, config.intermediate_size)
-        self.gating = ClampedSwiGLU(float(config.swiglu_alpha), float(config.swiglu_limit))
+        self.gating = ClampedSwiGLU(
+            float(getattr(config, "swiglu_alpha", SWIGLU_ALPHA)),
+            float(getattr(config, "swiglu_limit", SWIGLU_LIMIT)),
+        )
         self.tp = tensor_parallel()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
