@@ -95,11 +95,18 @@ class DecodeSelection:
         return max_context > self.min_context
 
 
+def top_blocks(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """int64 [..., k]: the k best-scored blocks of each row, in no order. torch.topk: a radix-select
+    Triton kernel of one program a row was 1.5x slower at 128K and 13x at 1M tokens on an H200
+    (8 rows a step leave most SMs idle; docs/benchmarks/2026-12-05-families-and-selection-h200.md)."""
+    return torch.topk(scores, k, dim=-1, sorted=False).indices
+
+
 def choose_blocks(scores: torch.Tensor, k: int) -> torch.Tensor:
     """int64 [num_seqs, num_kv_heads, k - 1]: the k - 1 best-scored blocks of each (sequence, KV
     head), in no order; the current block (scored -inf) is the k-th, read after them. Only a
     context of more than k blocks reads them (`selected_lengths`), so every pick is in its context."""
-    return torch.topk(scores, k - 1, dim=-1, sorted=False).indices
+    return top_blocks(scores, k - 1)
 
 
 def selected_lengths(seq_lens: torch.Tensor, k: int, block_size: int, selected: torch.Tensor) -> torch.Tensor:

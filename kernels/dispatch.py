@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from tgserve.kernels import reference
-from tgserve.kernels.decode_selection import DecodeSelection
+from tgserve.kernels.decode_selection import DecodeSelection, choose_blocks, top_blocks
 from tgserve.kernels.moe_routing import ClampedSwiGLU
 from tgserve.kernels.sparse.config import SparseConfig
 
@@ -173,26 +173,10 @@ def select_decode_blocks(
     if host is not None:
         host_blocks, host_summary, key_copy = (host[0], host[1], host[3]), (host[2], host[3]), host[4]
     bound = block_scores(*args, host_summary=host_summary)
-    top_k = _top_k if not (use_triton(query) and TOP_K_BY_RADIX_SELECT) else _radix_top_k
-    candidates = top_k(bound, selection.candidate_blocks(block_size, width))
+    candidates = top_blocks(bound, selection.candidate_blocks(block_size, width))
     exact = candidate_scores(query, kv_cache, block_tables, candidates, bound, kv_scale, host=host_blocks,
                              key_copy=key_copy)  # fmt: skip
-    return candidates.gather(2, top_k(exact, selection.chosen_blocks(block_size, width) - 1))
-
-
-# Selection's two top-k by the radix-select kernel (`kernels/top_k.py`, one program a row) instead of
-# torch.topk on CUDA. Off until measured on a GPU: kernels/bench/bench_decode_selection.py times both.
-TOP_K_BY_RADIX_SELECT = False
-
-
-def _top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
-    return torch.topk(scores, k, dim=-1, sorted=False).indices
-
-
-def _radix_top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
-    from tgserve.kernels.top_k import top_k_indices
-
-    return top_k_indices(scores, k)
+    return candidates.gather(2, choose_blocks(exact, selection.chosen_blocks(block_size, width)))
 
 
 def paged_prefill(

@@ -15,7 +15,6 @@ from tgserve.kernels import dispatch
 from tgserve.kernels.block_scores import block_scores, candidate_scores
 from tgserve.kernels.decode_selection import DecodeSelection, choose_blocks
 from tgserve.kernels.paged_decode import paged_decode
-from tgserve.kernels.top_k import top_k_indices
 
 
 def graphed_us(fn, layers: int = 32, replays: int = 20) -> float:
@@ -53,24 +52,14 @@ def measure(context: int, selection: DecodeSelection, fp8: bool) -> str:
         chosen = dispatch.select_decode_blocks(query, summary, table, seq_lens, selection, cache, scale)
         decode((chosen, lengths), 32768)
 
-    def whole_radix() -> None:
-        dispatch.TOP_K_BY_RADIX_SELECT = True
-        try:
-            whole()
-        finally:
-            dispatch.TOP_K_BY_RADIX_SELECT = False
-
     times = [
         graphed_us(lambda: block_scores(*score_args)),
         graphed_us(lambda: torch.topk(bound, c, dim=-1, sorted=False)),
-        graphed_us(lambda: top_k_indices(bound, c)),
         graphed_us(lambda: candidate_scores(query, cache, table, candidates, bound, scale)),
         graphed_us(lambda: candidates.gather(2, choose_blocks(exact, k))),
-        graphed_us(lambda: candidates.gather(2, top_k_indices(exact, k - 1))),
         graphed_us(lambda: decode((chosen, lengths), 32768)),
         graphed_us(lambda: decode(None, context)),
         graphed_us(whole),
-        graphed_us(whole_radix),
     ]
     return f"| {context:,} | " + " | ".join(f"{t:.1f}" for t in times) + " |"
 
@@ -106,9 +95,9 @@ def main() -> None:
     if args.sweep:
         sweep_scores(args.contexts[-1], selection)
         return
-    print("| context | bound us | top candidates us | by radix select us | candidate scores us | top chosen us "
-          "| by radix select us | selected decode us | dense decode us | all selection us | by radix select us |")  # fmt: skip
-    print("|---" * 11 + "|")
+    print("| context | bound us | top candidates us | candidate scores us | top chosen us | selected decode us "
+          "| dense decode us | all selection us |")  # fmt: skip
+    print("|---" * 8 + "|")
     for context in args.contexts:
         print(measure(context, selection, args.fp8), flush=True)
         torch.cuda.empty_cache()

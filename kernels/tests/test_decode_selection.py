@@ -238,22 +238,3 @@ def test_selection_keeps_other_planted_families_within_2e2(family, budget, depth
     errs by 0.24; kernels/bench/decode_selection_accuracy.py)."""
     inputs = planted_decode(16384, 8, 2, 64, seed=int(depth * 100), depth=depth, plant=FAMILIES[family])
     assert selection_error(inputs, DecodeSelection.for_budget(budget, 0), 16) <= 2e-2
-
-
-def test_selection_by_radix_select_chooses_what_torch_topk_chooses(device, monkeypatch):
-    """dispatch.TOP_K_BY_RADIX_SELECT (`kernels/top_k.py` for both top-k): the same blocks per
-    (sequence, KV head) as torch.topk (the scores of random inputs are distinct)."""
-    monkeypatch.setattr(dispatch, "use_triton", lambda t: True)  # the CUDA path, in the interpreter on CPU
-    batch = make_paged_batch([1, 1], [3000, 1700], 8, 2, 64, 16, torch.float32, device, seed=4)
-    summary = torch.empty(2, batch.kv_cache.shape[1], 2, 64, device=device)
-    for seq, length in enumerate(batch.seq_lens.tolist()):
-        positions = torch.arange(length, device=device)
-        slots = batch.block_tables[seq, positions // 16].long() * 16 + positions % 16
-        reference.update_key_summaries(batch.kv_cache[0].view(-1, 2, 64)[slots], slots, summary, 16)
-    selection = DecodeSelection.for_budget(512, 64)
-    args = (batch.query, summary, batch.block_tables, batch.seq_lens, selection, batch.kv_cache)
-    want = dispatch.select_decode_blocks(*args)
-    monkeypatch.setattr(dispatch, "TOP_K_BY_RADIX_SELECT", True)
-    got = dispatch.select_decode_blocks(*args)
-    assert got.shape == want.shape == (2, 2, 512 // 16 - 1)
-    assert torch.equal(got.sort(-1).values, want.sort(-1).values)
