@@ -146,7 +146,9 @@ def measure(family: str, layers: int, concurrent: int) -> dict:
         one = run_engine(engine, prompts(1, 512, vocab), 128)
         ms = (one["total_s"] - one["prefill_s"]) / 127 * 1e3
         path = "fallback" if hasattr(engine.shard.forward.model, "hf_model") else "native"
-        row = {"family": family, "path": path, "layers": layers, "batch1_ms": ms, "floor_ms": read / bandwidth * 1e3,
+        graphs = engine.shard.decode_graphs is not None  # False: capture failed, decode runs eagerly
+        row = {"family": family, "path": path, "cuda_graphs": graphs, "layers": layers, "batch1_ms": ms,
+               "floor_ms": read / bandwidth * 1e3,
                "bytes_a_token_gib": read / 2**30, "params_a_token_b": used / 1e9,
                "copy_tb_s": bandwidth / 1e12}  # fmt: skip
         if concurrent:
@@ -158,10 +160,10 @@ def measure(family: str, layers: int, concurrent: int) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| family | path | layers | batch-1 ms/token | floor ms | ratio | params/token (B) | N | tokens/s | "
-             "tokens/s x params (T) |", "|---" * 10 + "|"]  # fmt: skip
+    lines = ["| family | path | graphs | layers | batch-1 ms/token | floor ms | ratio | params/token (B) | N | tokens/s | "
+             "tokens/s x params (T) |", "|---" * 11 + "|"]  # fmt: skip
     for r in rows:
-        lines.append(f"| {r['family']} | {r['path']} | {r['layers']} | {r['batch1_ms']:.3f} | {r['floor_ms']:.3f} | "
+        lines.append(f"| {r['family']} | {r['path']} | {'on' if r.get('cuda_graphs') else 'off'} | {r['layers']} | {r['batch1_ms']:.3f} | {r['floor_ms']:.3f} | "
                      f"{r['batch1_ms'] / r['floor_ms']:.2f} | {r['params_a_token_b']:.2f} | {r.get('concurrent', '-')} | "
                      f"{r.get('tokens_s', float('nan')):.0f} | {r.get('param_tokens_s_t', float('nan')):.2f} |")  # fmt: skip
     return "\n".join(lines)

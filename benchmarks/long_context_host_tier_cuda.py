@@ -10,7 +10,11 @@ Reported per run: the pool and host tier in tokens, the device blocks of the hos
 and of the hot-block cache (`--key-copy-share`, `--hot-block-share`: 0 turns either off) and the
 share of chosen host blocks the cache served, each request's time to first token, the median
 decode step while every request decodes (each step gives each of them a token), and the blocks
-spilled to host. Each run is its own process, so the GPU starts empty as a server's would.
+spilled to host, and how each request finished. Where the pool and host tier together cannot hold
+every context, a request waits for another to finish instead of spilling: no step has them all
+decoding and the decode time is None (2 x 512K needs 66 GiB of host tier beside the default
+hot-block and key-copy shares). Each run is its own process, so the GPU starts empty as a server's
+would.
 JSON lines, then a Markdown table.
 """
 
@@ -62,12 +66,15 @@ def serve(contexts: int, context: int, offload_gib: float, num_blocks: int, args
         for i, prompt in enumerate(batch):
             engine.add_request(f"r{i}", prompt, params)
         first: dict[str, float] = {}
+        finished: dict[str, tuple] = {}  # request id: (finish reason, output tokens)
         all_decoding: list[float] = []  # step ends once every request has its first token
         while engine.has_unfinished_requests():
             outputs = engine.step()
             now = time.perf_counter()
             for out in outputs:
                 first.setdefault(out.request_id, now - start)
+                if out.finished:
+                    finished[out.request_id] = (out.finish_reason, out.num_output_tokens)
             if len(first) == contexts and engine.scheduler.num_running == contexts:
                 all_decoding.append(now)
         stats = engine.stats()
@@ -87,6 +94,7 @@ def serve(contexts: int, context: int, offload_gib: float, num_blocks: int, args
             "ttft_s": [round(first[f"r{i}"], 2) for i in range(contexts)],
             "decode_ms": round(1e3 * steps[len(steps) // 2], 3) if steps else None,
             "decode_steps": len(steps),
+            "finished": [finished.get(f"r{i}") for i in range(contexts)],
             "spilled_blocks": stats.host_spilled_blocks,
             "preemptions": stats.num_preemptions,
             "startup_s": round(startup, 1),
@@ -106,7 +114,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--runs", nargs="+", default=["1x524288", "2x524288:40"],
+    parser.add_argument("--runs", nargs="+", default=["1x524288", "2x524288:66"],
                         help="contexts x context[:offload GiB[:pool blocks]]")  # fmt: skip
     parser.add_argument("--budget", type=int, default=4096, help="--decode-attention-budget")
     parser.add_argument(

@@ -38,9 +38,9 @@ import torch
 from tgserve.kernels import dispatch
 
 # The admission in one Triton launch a layer on CUDA (`kernels/hot_admission.py`) instead of some forty
-# small torch kernels. Off until measured on a GPU: benchmarks/long_context_host_tier_cuda.py
-# --hot-admission kernel runs it beside the torch admission.
-ADMIT_IN_ONE_KERNEL = False
+# small torch kernels: two 512K-token contexts on an H200 decode at 18.70 ms a step with it, 23.61
+# with the torch admission (docs/benchmarks/2026-12-05-families-and-selection-h200.md).
+ADMIT_IN_ONE_KERNEL = True
 
 
 @dataclass(frozen=True)
