@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from bench_attention import timed_ms  # this script's folder is on sys.path when run as a script
 
-from tgserve.kernels.sparse import estimate, kernel, lastq, pooled
+from tgserve.kernels.sparse import estimate, kernel, lastq, pooled, tail_kernel
 from tgserve.kernels.sparse.attention import estimate_index
 from tgserve.kernels.sparse.config import SparseConfig
 from tgserve.kernels.sparse.index import build_index
@@ -57,6 +57,7 @@ def stages(n: int, iters: int, sweep: bool) -> dict[str, float]:
         lambda: estimate_index(q, k, scale, patterns, block, config.last_q, use_triton=True)
     )
     row["kernel"] = t(lambda: kernel.sparse_attention_kernel(q, k, v, index, scale))
+    row |= tail_stages(q, k, v, index, scale, t)
     if sweep:
         saved = dict(kernel.LAUNCH)
         for launch in ({"num_stages": 3}, {"num_stages": 1}, {"num_warps": 8}):
@@ -80,6 +81,26 @@ def stages(n: int, iters: int, sweep: bool) -> dict[str, float]:
         )
         lastq.LAUNCH.update({"num_warps": 4})
     return row
+
+
+def tail_stages(q, k, v, index, scale: float, t) -> dict[str, float]:
+    """The tail (`"tail": true`) stage by stage: the key blocks' summaries (torch, KV group by
+    group), the block-mean queries, the streaming kernel, the whole tail, and pass 2 folding it."""
+    tail = tail_kernel.skipped_tail_triton(q, k, v, index, scale)
+    return {
+        "tail: key block summaries": t(
+            lambda: tail_kernel.stacked_summaries(k, v, index, HEADS, spread=False)
+        ),
+        "tail: block-mean queries": t(
+            lambda: estimate.block_means(q, index.block).transpose(0, 1).contiguous()
+        ),
+        "tail: whole (summaries, queries, kernel)": t(
+            lambda: tail_kernel.skipped_tail_triton(q, k, v, index, scale)
+        ),
+        "kernel folding the tail": t(
+            lambda: kernel.sparse_attention_kernel(q, k, v, index, scale, tail=tail)
+        ),
+    }
 
 
 def main() -> None:
