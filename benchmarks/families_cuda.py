@@ -127,7 +127,17 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * src.element_size() / best
 
 
-def measure(family: str, layers: int, concurrent: int) -> dict:
+def profile_decode(engine: LLMEngine, vocab: int, path: Path) -> None:
+    """Kernels of 32 batch-1 decode steps by GPU time (torch.profiler), written to `path`: where a
+    family's time over its weight-read floor goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run_engine(engine, prompts(1, 64, vocab, seed=3), 33)
+    path.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+
+
+def measure(family: str, layers: int, concurrent: int, profile_dir: Path | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         engine = LLMEngine(
             EngineArgs(
@@ -151,6 +161,9 @@ def measure(family: str, layers: int, concurrent: int) -> dict:
                "floor_ms": read / bandwidth * 1e3,
                "bytes_a_token_gib": read / 2**30, "params_a_token_b": used / 1e9,
                "copy_tb_s": bandwidth / 1e12}  # fmt: skip
+        if profile_dir is not None:
+            profile_dir.mkdir(parents=True, exist_ok=True)
+            profile_decode(engine, vocab, profile_dir / f"{family}_profile.txt")
         if concurrent:
             many = run_engine(engine, prompts(concurrent, 512, vocab, seed=1), 128)
             rate = many["output_tokens"] / many["total_s"]
@@ -177,15 +190,18 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--concurrent", type=int, default=256)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--profile", type=Path, help="write each family's batch-1 decode kernels here")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(measure(args.one, args.layers, args.concurrent)), flush=True)
+        print(json.dumps(measure(args.one, args.layers, args.concurrent, args.profile)), flush=True)
         return
     rows = []
     for family in args.families:
         command = [sys.executable, __file__, "--one", family, "--layers", str(args.layers),
                    "--concurrent", str(args.concurrent)]  # fmt: skip
+        if args.profile:
+            command += ["--profile", str(args.profile)]
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
         if done.returncode or not lines:
