@@ -36,6 +36,30 @@ def _scatter_rows(parts: list[tuple[list[int], torch.Tensor]], rows: int, fill: 
     return torch.cat(out, dim=-1)
 
 
+def _rescue(
+    query: torch.Tensor, key: torch.Tensor, heads: list[int], patterns: list[HeadPattern], scale: float,
+    block: int, cover: torch.Tensor, listed: torch.Tensor | None, columns: torch.Tensor | None, use_triton: bool,
+) -> torch.Tensor:  # fmt: skip
+    """[S, Q, K] rescue blocks of `heads`: those the block-mean query picks, then (rescue_range of
+    them) those the query block's range bound picks among the blocks still not held."""
+    if use_triton:
+        from tgserve.kernels.sparse.pooled import rescue_blocks_triton as rescue_of
+    else:
+
+        def rescue_of(*args, query_range=False):
+            return estimate.rescue_blocks(*args[:3], scale, *args[3:], query_range=query_range)
+
+    by_mean = rescue_of(
+        query, key, heads, block, cover, listed, columns, [p.rescue - p.rescue_range for p in patterns]
+    )
+    if not any(p.rescue_range for p in patterns):
+        return by_mean
+    held = by_mean if listed is None else torch.cat([listed, by_mean], dim=-1)
+    by_range = rescue_of(query, key, heads, block, cover, held, columns, [p.rescue_range for p in patterns],
+                         query_range=True)  # fmt: skip
+    return torch.cat([by_mean, by_range], dim=-1)
+
+
 def _block_sparse(
     query: torch.Tensor, key: torch.Tensor, scale: float, heads: list[int], budget: list[int], block: int
 ) -> torch.Tensor:
@@ -104,14 +128,9 @@ def estimate_index(
         listed = _scatter_rows(blocks, num_heads, -1)
         columns = _scatter_rows(cols, num_heads, -1)
         at = estimate.head_index(rs, device)
-        args = (cover[at], None if listed is None else listed[at], None if columns is None else columns[at],
-                [patterns[h].rescue for h in rs])  # fmt: skip
-        if use_triton:
-            from tgserve.kernels.sparse.pooled import rescue_blocks_triton
-
-            picks = rescue_blocks_triton(query, key, rs, block, *args)
-        else:
-            picks = estimate.rescue_blocks(query, key, rs, scale, block, *args)
+        picks = _rescue(query, key, rs, [patterns[h] for h in rs], scale, block, cover[at],
+                        None if listed is None else listed[at], None if columns is None else columns[at],
+                        use_triton)  # fmt: skip
         blocks.append((rs, estimate.share_neighbours(picks)))
     return build_index(
         n, block, cover, _scatter_rows(blocks, num_heads, -1), _scatter_rows(cols, num_heads, -1)

@@ -38,6 +38,10 @@ class HeadPattern:
     rescue          (estimated kinds) extra key blocks per query block, chosen by the block-mean
                     query against every key, for keys salient only to queries far from the end
                     of the prompt, which last-query estimation cannot see.
+    rescue_range    of the rescue blocks, how many are chosen by the query block's range bound
+                    (the largest logit any of its queries can give a key: per coordinate its
+                    largest or smallest query value) after the others by its mean query: a key
+                    that only a few of the block's queries seek keeps its whole logit there.
     tail            also attend to the key blocks the pattern skips, each summarised by its mean
                     key and value, as one extra key per query block (`tail.py`): the attention
                     spread thinly over a long prompt, which no block choice holds.
@@ -50,13 +54,19 @@ class HeadPattern:
     local: int = 128
     blocks: int = 100
     rescue: int = 2
+    rescue_range: int = 0
     tail: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown sparse pattern {self.kind!r}; expected one of {KINDS}")
-        if min(self.vertical, self.slash, self.sink, self.local, self.blocks, self.rescue) < 0:
+        if (
+            min(self.vertical, self.slash, self.sink, self.local, self.blocks, self.rescue, self.rescue_range)
+            < 0
+        ):
             raise ValueError(f"negative budget in {self}")
+        if self.rescue_range > self.rescue:
+            raise ValueError(f"rescue_range {self.rescue_range} is more than the {self.rescue} rescue blocks")
 
 
 DEFAULT_PATTERN = HeadPattern()

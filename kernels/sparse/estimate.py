@@ -145,6 +145,22 @@ def block_means(x: torch.Tensor, block: int) -> torch.Tensor:
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
+def block_ranges(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, ..., d] -> ([Q, ..., d], [Q, ...,  d]): the largest and smallest value of each coordinate
+    over each block of `block` rows (last one partial), in x's dtype (elements of x: exact)."""
+    n = x.shape[0]
+    full = n // block
+    highs, lows = [], []
+    if full:
+        rows = x[: full * block].view(full, block, *x.shape[1:])
+        highs.append(rows.amax(1))
+        lows.append(rows.amin(1))
+    if n > full * block:
+        highs.append(x[full * block :].amax(0, keepdim=True))
+        lows.append(x[full * block :].amin(0, keepdim=True))
+    return torch.cat(highs), torch.cat(lows)
+
+
 def block_causal(nq: int, device: torch.device) -> torch.Tensor:
     """bool [Q, Q]: key block j is visible from query block i."""
     i = torch.arange(nq, device=device)
@@ -165,19 +181,31 @@ def fp8_products(key: torch.Tensor) -> bool:
 
 
 def pooled_max_scores(
-    q: torch.Tensor, k: torch.Tensor, scale: float, block: int, skip_keys: torch.Tensor | None = None
-) -> torch.Tensor:
+    q: torch.Tensor, k: torch.Tensor, scale: float, block: int, skip_keys: torch.Tensor | None = None,
+    query_range: bool = False,
+) -> torch.Tensor:  # fmt: skip
     """Block-mean query x every key, max-pooled per key block, [G, Q, Q] (torch twin of pooled.py).
 
     Max- rather than mean-pooling the keys keeps a single salient key (a needle) visible.
     skip_keys (bool [G, n], or [G, Q, n] per query block) removes keys the pattern already holds
     (sinks, verticals), so that they do not win blocks that add nothing. From 16-bit inputs the block means and keys
     are rounded to e4m3 rows first, as the Triton kernel multiplies them (`fp8_products`).
+
+    query_range: instead of the mean, the query block's range bound of each key's logit, the
+    largest any of its queries can give it (Quest's bound turned around: per coordinate the
+    block's largest query value times the key's positive part plus its smallest times the
+    negative part). A key salient to a few of the block's queries keeps its full logit in the
+    bound, where the mean divides it among all the rows. Products in the inputs' dtype.
     """
     n = q.shape[0]
     nq = -(-n // block)
-    qm = block_means(q, block).transpose(0, 1)  # [G, Q, d]
     per_key = torch.full((q.shape[1], nq, nq * block), float("-inf"), device=q.device)
+    if query_range:
+        high, low = (x.transpose(0, 1).float() for x in block_ranges(q, block))  # [G, Q, d] each
+        positive = k.float().clamp(min=0)
+        per_key[..., :n] = (high @ positive.t() + low @ (k.float() - positive).t()) * scale
+        return _pooled(per_key, n, block, skip_keys)
+    qm = block_means(q, block).transpose(0, 1)  # [G, Q, d]
     if fp8_products(k):
         # Left unscaled: a row's query scale and the head's key scale are positive factors of
         # the whole row, and the ranking is within a row.
@@ -187,12 +215,19 @@ def pooled_max_scores(
         per_key[..., :n] = product.view(*qm.shape[:2], n) * scale
     else:
         per_key[..., :n] = (qm @ k.float().t()) * scale
+    return _pooled(per_key, n, block, skip_keys)
+
+
+def _pooled(per_key: torch.Tensor, n: int, block: int, skip_keys: torch.Tensor | None) -> torch.Tensor:
+    """[G, Q, Q * block] per-key scores -> [G, Q, Q]: skipped keys out, max-pooled per key block,
+    causal blocks only."""
     if skip_keys is not None:
         per_key[..., :n].masked_fill_(
             skip_keys if skip_keys.dim() == 3 else skip_keys[:, None, :], float("-inf")
         )
-    scores = per_key.view(q.shape[1], nq, nq, block).amax(-1)
-    return scores.masked_fill(~block_causal(nq, q.device), float("-inf"))
+    heads, nq = per_key.shape[:2]
+    scores = per_key.view(heads, nq, nq, block).amax(-1)
+    return scores.masked_fill(~block_causal(nq, per_key.device), float("-inf"))
 
 
 def top_blocks(scores: torch.Tensor, budget: list[int], exclude: torch.Tensor | None = None) -> torch.Tensor:
@@ -240,13 +275,14 @@ def column_keys(columns: torch.Tensor, n: int) -> torch.Tensor:
 
 def rescue_blocks(
     query: torch.Tensor, key: torch.Tensor, heads: list[int], scale: float, block: int, cover: torch.Tensor,
-    listed: torch.Tensor | None, columns: torch.Tensor | None, budget: list[int],
+    listed: torch.Tensor | None, columns: torch.Tensor | None, budget: list[int], query_range: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """[S, Q, K] rescue key blocks of the listed query heads (twin of pooled.rescue_blocks_triton).
 
     Per head: the top budget[s] key blocks by pooled-max score (block-mean query against every key
-    but the head's columns), among causal blocks that neither a selected block diagonal (cover
-    [S, Q]) nor a listed block (listed [S, Q, b], -1 = none) holds; -1 padded, K = max(budget).
+    but the head's columns; with query_range, the query block's range bound, `pooled_max_scores`),
+    among causal blocks that neither a selected block diagonal (cover [S, Q]) nor a listed block
+    (listed [S, Q, b], -1 = none) holds; -1 padded, K = max(budget).
     """
     n, group = query.shape[0], query.shape[1] // key.shape[1]
     nq = cover.shape[-1]
@@ -254,7 +290,7 @@ def rescue_blocks(
     out = []
     for s, h in enumerate(heads):
         skip = None if columns is None else column_keys(columns[s : s + 1], n)
-        scores = pooled_max_scores(query[:, h : h + 1], key[:, h // group], scale, block, skip)
+        scores = pooled_max_scores(query[:, h : h + 1], key[:, h // group], scale, block, skip, query_range)
         held = held_blocks(cover[s : s + 1], None if listed is None else listed[s : s + 1])
         picks = top_blocks(scores, [budget[s]], exclude=held)
         out.append(torch.nn.functional.pad(picks, (0, width - picks.shape[-1]), value=-1))

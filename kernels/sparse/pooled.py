@@ -14,6 +14,12 @@ QK^T of the block means, 1/(2 * block) of dense causal attention. Programs are i
 (the last query blocks see the most keys) so that the causal imbalance packs into few waves.
 Grouped-query natively: a head reads the keys of head // group in place.
 
+With RANGE (a pattern's `rescue_range` blocks, a second launch after the mean's picks, which it
+treats as held) the query side is the block's range: its largest and smallest value of each
+coordinate, against each key's positive and negative parts, two products in the inputs' dtype.
+That bounds the largest logit any query of the block gives the key, so a key that 16 of the 64
+queries seek keeps its whole logit, where their mean holds a quarter of it.
+
 From 16-bit inputs the products are e4m3: each block-mean query scaled so its largest element is
 448 (`fp8_format.quantize_rows`), and each KV head's keys by one scale (`tensor_scale`), so that
 the scores need no per-key factor: a row's products are left unscaled, its query's scale and its
@@ -37,7 +43,7 @@ import triton.language as tl
 
 from tgserve.kernels.fp8 import quantize_rows_fast
 from tgserve.kernels.fp8_format import INV_FP8_MAX, TINY_SCALE
-from tgserve.kernels.sparse.estimate import block_means, fp8_products, head_index, host_values
+from tgserve.kernels.sparse.estimate import block_means, block_ranges, fp8_products, head_index, host_values
 from tgserve.kernels.triton_common import dot_precision, interpreting
 
 BITS = 16  # listed blocks travel as a bitmap of BITS-bit words per query block
@@ -52,15 +58,22 @@ LAUNCH = {"block_r": 128, "num_warps": 4, "num_stages": 2, "key_blocks": 2, "spl
 
 
 @triton.jit
-def _key_scores(qm, k_ptrs, pos, n, stride_kt, dim_ok, skip_row_ptr, masked, HAS_SKIP: tl.constexpr,
-                PRECISION: tl.constexpr):  # fmt: skip
-    """Block-mean queries x the keys at `pos`; with `masked`, keys past n and the head's columns
-    (skip_row_ptr: this row's per-key flags) at -inf."""
+def _key_scores(qm, ql, k_ptrs, pos, n, stride_kt, dim_ok, skip_row_ptr, masked, HAS_SKIP: tl.constexpr,
+                PRECISION: tl.constexpr, RANGE: tl.constexpr):  # fmt: skip
+    """Block-mean queries x the keys at `pos` (RANGE: the range bound, qm the blocks' largest query
+    values against the keys' positive parts plus ql their smallest against the negative parts);
+    with `masked`, keys past n and the head's columns (skip_row_ptr: this row's per-key flags) at
+    -inf."""
     in_seq = pos < n
     k = tl.load(
         k_ptrs + pos.to(tl.int64)[:, None] * stride_kt, mask=in_seq[:, None] & dim_ok[None, :], other=0.0
     )
-    s = tl.dot(qm, tl.trans(k), input_precision=PRECISION)
+    if RANGE:
+        positive = tl.where(k > 0, k, tl.zeros_like(k))
+        s = tl.dot(qm, tl.trans(positive), input_precision=PRECISION)
+        s += tl.dot(ql, tl.trans(k - positive), input_precision=PRECISION)
+    else:
+        s = tl.dot(qm, tl.trans(k), input_precision=PRECISION)
     if masked:
         allowed = in_seq
         if HAS_SKIP:
@@ -72,11 +85,11 @@ def _key_scores(qm, k_ptrs, pos, n, stride_kt, dim_ok, skip_row_ptr, masked, HAS
 # Lengths and counts unspecialised, as kernel.LENGTH_ARGS: every prompt length shares one compile.
 @triton.jit(do_not_specialize=["n", "num_qb", "num_tiles", "num_rows", "words"])
 def _rescue_kernel(
-    qm_ptr, k_ptr, head_ptr, skip_ptr, skip_blocks_ptr, cover_ptr, bits_ptr, val_ptr, idx_ptr,
+    qm_ptr, ql_ptr, k_ptr, head_ptr, skip_ptr, skip_blocks_ptr, cover_ptr, bits_ptr, val_ptr, idx_ptr,
     n, num_qb, num_tiles, num_rows, group, head_dim, stride_kt, stride_kh, words,
     BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, R: tl.constexpr,
     HAS_SKIP: tl.constexpr, HAS_BITS: tl.constexpr, PRECISION: tl.constexpr, KEY_BLOCKS: tl.constexpr,
-    SPLIT_DOTS: tl.constexpr = False,
+    SPLIT_DOTS: tl.constexpr = False, RANGE: tl.constexpr = False,
 ):  # fmt: skip
     pid = tl.program_id(0)
     tile = num_tiles - 1 - pid // num_rows  # longest tiles first, all heads of a tile together
@@ -87,8 +100,11 @@ def _rescue_kernel(
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < head_dim
     base = row.to(tl.int64) * num_qb
-    qm = tl.load(qm_ptr + (base + qb)[:, None] * head_dim + dims[None, :],
-                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # fmt: skip
+    q_at = (base + qb)[:, None] * head_dim + dims[None, :]
+    qm = tl.load(qm_ptr + q_at, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    ql = qm
+    if RANGE:
+        ql = tl.load(ql_ptr + q_at, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
     k_ptrs = k_ptr + kv.to(tl.int64) * stride_kh + dims[None, :]
     slots = tl.arange(0, R)
     best_v = tl.full([BLOCK_R, R], float("-inf"), tl.float32)
@@ -109,7 +125,9 @@ def _rescue_kernel(
                     flag = tl.load(skip_blocks_ptr + base + j0 + b, mask=j0 + b < num_qb, other=0)
                     masked = masked | (flag > 0)
                 pos = (j0 + b) * BLOCK + tl.arange(0, BLOCK)
-                s = _key_scores(qm, k_ptrs, pos, n, stride_kt, dim_ok, skip_row, masked, HAS_SKIP, PRECISION)
+                s = _key_scores(
+                    qm, ql, k_ptrs, pos, n, stride_kt, dim_ok, skip_row, masked, HAS_SKIP, PRECISION, RANGE
+                )
                 pooled = tl.where(sub[None, :] == b, tl.max(s, 1)[:, None], pooled)
         else:  # one product over the step's blocks, pooled through a reshape
             masked = (j0 + KEY_BLOCKS) * BLOCK > n
@@ -117,7 +135,9 @@ def _rescue_kernel(
                 flags = tl.load(skip_blocks_ptr + base + j0 + sub, mask=j0 + sub < num_qb, other=0)
                 masked = masked | (tl.max(flags, 0) > 0)
             pos = j0 * BLOCK + tl.arange(0, KEY_BLOCKS * BLOCK)
-            s = _key_scores(qm, k_ptrs, pos, n, stride_kt, dim_ok, skip_row, masked, HAS_SKIP, PRECISION)
+            s = _key_scores(
+                qm, ql, k_ptrs, pos, n, stride_kt, dim_ok, skip_row, masked, HAS_SKIP, PRECISION, RANGE
+            )
             pooled = tl.max(tl.reshape(s, [BLOCK_R, KEY_BLOCKS, BLOCK]), 2)  # [BLOCK_R, KEY_BLOCKS]
         for b in tl.static_range(KEY_BLOCKS):
             j = j0 + b
@@ -164,24 +184,31 @@ def _e4m3_keys(key: torch.Tensor) -> torch.Tensor:
 
 def rescue_blocks_triton(
     query: torch.Tensor, key: torch.Tensor, heads: list[int], block: int, cover: torch.Tensor,
-    listed: torch.Tensor | None, columns: torch.Tensor | None, budget: list[int],
+    listed: torch.Tensor | None, columns: torch.Tensor | None, budget: list[int], query_range: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """[S, Q, K] rescue key blocks of the listed query heads; see `estimate.rescue_blocks`.
 
     query [n, H, d], key [n, Hkv, d]; cover bool [S, Q] selected block diagonals; listed
     [S, Q, b] listed blocks and columns [S, C] key columns (-1 = none), K = min(Q, max(budget)).
+    query_range: the query blocks' range bound instead of their mean (two products in the
+    inputs' dtype, not e4m3).
     """
     n, num_heads, head_dim = query.shape
     group = num_heads // key.shape[1]
     nq, rows, device = cover.shape[-1], len(heads), query.device
     width = max(1, min(nq, max(budget)))
     top_r = max(2, triton.next_power_of_2(width))
-    qm = block_means(query, block)[:, head_index(heads, device)].transpose(0, 1)  # [S, Q, d]
-    if fp8_products(key):
+    at = head_index(heads, device)
+    if query_range:
+        qm, ql = (x[:, at].transpose(0, 1).to(key.dtype).contiguous() for x in block_ranges(query, block))
+    elif fp8_products(key):
+        qm = block_means(query, block)[:, at].transpose(0, 1)  # [S, Q, d]
         qm = quantize_rows_fast(qm.reshape(-1, head_dim))[0]
         key = _e4m3_keys(key)
     else:
-        qm = qm.to(key.dtype).contiguous()
+        qm = block_means(query, block)[:, at].transpose(0, 1).to(key.dtype).contiguous()
+    if not query_range:
+        ql = qm  # unread
     cover8 = cover.to(torch.int8).contiguous()
     skip = skip_blocks = bits = cover8  # placeholders when absent
     if columns is not None:
@@ -201,12 +228,12 @@ def rescue_blocks_triton(
     tiles = triton.cdiv(nq, block_r)
     assert key.stride(2) == 1
     _rescue_kernel[(tiles * rows,)](
-        qm, key, host_values(heads, device), skip, skip_blocks, cover8, bits, values, index,
+        qm, ql, key, host_values(heads, device), skip, skip_blocks, cover8, bits, values, index,
         n, nq, tiles, rows, group, head_dim, key.stride(0), key.stride(1), -(-nq // BITS),
         BLOCK=block, BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(head_dim), R=top_r,
         HAS_SKIP=columns is not None, HAS_BITS=listed is not None, PRECISION=dot_precision(key.dtype),
         num_warps=4 if interpreting() else LAUNCH["num_warps"], num_stages=LAUNCH["num_stages"],
-        KEY_BLOCKS=LAUNCH["key_blocks"], SPLIT_DOTS=LAUNCH.get("split_dots", False),
+        KEY_BLOCKS=LAUNCH["key_blocks"], SPLIT_DOTS=LAUNCH.get("split_dots", False), RANGE=query_range,
     )  # fmt: skip
     top = torch.topk(values, width, dim=-1)
     limit = host_values(budget, device)[:, None, None]

@@ -57,6 +57,7 @@ def test_minference_best_pattern_json():
         {"default": {"kind": "diagonal"}},
         {"default": {"vertcal": 3}},
         {"default": {"slash": -1}},
+        {"default": {"rescue": 1, "rescue_range": 2}},
         [{"0": ["x", 1, 1]}],
     ],
 )

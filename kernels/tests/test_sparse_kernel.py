@@ -108,10 +108,13 @@ def test_last_q_scores_triton_match_torch(device, n, block, last_q):
 @pytest.mark.parametrize("held", [False, True])
 @pytest.mark.parametrize("budget", [[2, 2, 2, 2, 2], [1, 3, 2, 5, 1]])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_rescue_blocks_triton_match_torch(device, held, budget, key_blocks, split_dots, dtype, monkeypatch):
+@pytest.mark.parametrize("query_range", [False, True])
+def test_rescue_blocks_triton_match_torch(device, held, budget, key_blocks, split_dots, dtype, query_range,
+                                          monkeypatch):  # fmt: skip
     """Top pooled-max blocks outside the held diagonals, listed blocks and column keys; key blocks
     one to four a step (10 query blocks: a step of 4 reaches past the last one), in one product
-    or a product a block. fp16: products of e4m3 rows on both sides."""
+    or a product a block. fp16: products of e4m3 rows on both sides (with query_range, the query
+    blocks' range bound: two products in the inputs' dtype)."""
     from tgserve.kernels.sparse import pooled
 
     monkeypatch.setitem(pooled.LAUNCH, "key_blocks", key_blocks)
@@ -123,10 +126,25 @@ def test_rescue_blocks_triton_match_torch(device, held, budget, key_blocks, spli
     cover = torch.rand(5, nq, generator=gen) < 0.3
     listed = torch.randint(-1, nq, (5, nq, 3), generator=gen) if held else None
     columns = torch.randint(-1, n, (5, 7), generator=gen) if held else None
-    want = estimate.rescue_blocks(q, k, heads, 0.3, block, cover, listed, columns, budget)
+    want = estimate.rescue_blocks(q, k, heads, 0.3, block, cover, listed, columns, budget, query_range)
     moved = [None if x is None else x.to(device) for x in (cover, listed, columns)]
-    got = rescue_blocks_triton(q.to(device), k.to(device), heads, block, *moved, budget)
+    got = rescue_blocks_triton(q.to(device), k.to(device), heads, block, *moved, budget, query_range)
     assert torch.equal(got.cpu().sort(-1).values, want.sort(-1).values)
+
+
+def test_the_range_bound_is_the_largest_logit_of_any_query_in_the_block():
+    """The range bound of (query block, key block) is at least the largest logit any of the
+    block's queries gives any of its keys, and equals it for blocks of one query and one key."""
+    q, k, _ = _qkv(64, 2, 2, 16, torch.float32, seed=9)
+    for block in (8, 1):
+        for h in range(2):
+            exact = (q[:, h] @ k[:, h].t()) * 0.5
+            largest = exact.view(64 // block, block, 64 // block, block).amax(dim=(1, 3))
+            bound = estimate.pooled_max_scores(q[:, h : h + 1], k[:, h], 0.5, block, query_range=True)[0]
+            causal = estimate.block_causal(64 // block, q.device)
+            assert (bound[causal] >= largest[causal] - 1e-5).all()
+            if block == 1:
+                torch.testing.assert_close(bound[causal], largest[causal])
 
 
 def test_rescue_keys_take_one_scale_a_kv_head():
