@@ -129,36 +129,36 @@ def top_diagonals(scores: torch.Tensor, budget: list[int], forced: list[int]) ->
     return cover[:, :nq]
 
 
+def _row_blocks(x: torch.Tensor, block: int) -> list[torch.Tensor]:
+    """x [n, ...] as views of `block`-row blocks: [n // block, block, ...], then a partial last
+    block [1, n % block, ...] where there is one; a reduction over dim 1 reduces each block."""
+    n = x.shape[0]
+    full = n // block
+    parts = [x[: full * block].view(full, block, *x.shape[1:])] if full else []
+    if n > full * block:
+        parts.append(x[full * block :][None])
+    return parts
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The per-block results in order, without a copy where there is one part."""
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
 def block_means(x: torch.Tensor, block: int) -> torch.Tensor:
     """[n, ..., d] -> [Q, ..., d] float32 mean over each block of `block` rows (last one partial).
 
     Sums in float32 straight from the input dtype (no float32 copy of x: at 512K tokens and 32
     heads that copy alone would be 8 GiB).
     """
-    n = x.shape[0]
-    full = n // block
-    parts = []
-    if full:
-        parts.append(x[: full * block].view(full, block, *x.shape[1:]).sum(1, dtype=torch.float32) / block)
-    if n > full * block:
-        parts.append(x[full * block :].sum(0, keepdim=True, dtype=torch.float32) / (n - full * block))
-    return torch.cat(parts) if len(parts) > 1 else parts[0]
+    return _joined([rows.sum(1, dtype=torch.float32) / rows.shape[1] for rows in _row_blocks(x, block)])
 
 
 def block_ranges(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[n, ..., d] -> ([Q, ..., d], [Q, ...,  d]): the largest and smallest value of each coordinate
     over each block of `block` rows (last one partial), in x's dtype (elements of x: exact)."""
-    n = x.shape[0]
-    full = n // block
-    highs, lows = [], []
-    if full:
-        rows = x[: full * block].view(full, block, *x.shape[1:])
-        highs.append(rows.amax(1))
-        lows.append(rows.amin(1))
-    if n > full * block:
-        highs.append(x[full * block :].amax(0, keepdim=True))
-        lows.append(x[full * block :].amin(0, keepdim=True))
-    return torch.cat(highs), torch.cat(lows)
+    parts = _row_blocks(x, block)
+    return _joined([rows.amax(1) for rows in parts]), _joined([rows.amin(1) for rows in parts])
 
 
 def block_causal(nq: int, device: torch.device) -> torch.Tensor:
@@ -202,8 +202,9 @@ def pooled_max_scores(
     per_key = torch.full((q.shape[1], nq, nq * block), float("-inf"), device=q.device)
     if query_range:
         high, low = (x.transpose(0, 1).float() for x in block_ranges(q, block))  # [G, Q, d] each
-        positive = k.float().clamp(min=0)
-        per_key[..., :n] = (high @ positive.t() + low @ (k.float() - positive).t()) * scale
+        keys = k.float()
+        positive = keys.clamp(min=0)
+        per_key[..., :n] = (high @ positive.t() + low @ (keys - positive).t()) * scale
         return _pooled(per_key, n, block, skip_keys)
     qm = block_means(q, block).transpose(0, 1)  # [G, Q, d]
     if fp8_products(k):

@@ -201,13 +201,13 @@ def rescue_blocks_triton(
     at = head_index(heads, device)
     if query_range:
         qm, ql = (x[:, at].transpose(0, 1).to(key.dtype).contiguous() for x in block_ranges(query, block))
-    elif fp8_products(key):
-        qm = block_means(query, block)[:, at].transpose(0, 1)  # [S, Q, d]
-        qm = quantize_rows_fast(qm.reshape(-1, head_dim))[0]
-        key = _e4m3_keys(key)
     else:
-        qm = block_means(query, block)[:, at].transpose(0, 1).to(key.dtype).contiguous()
-    if not query_range:
+        qm = block_means(query, block)[:, at].transpose(0, 1)  # [S, Q, d]
+        if fp8_products(key):
+            qm = quantize_rows_fast(qm.reshape(-1, head_dim))[0]
+            key = _e4m3_keys(key)
+        else:
+            qm = qm.to(key.dtype).contiguous()
         ql = qm  # unread
     cover8 = cover.to(torch.int8).contiguous()
     skip = skip_blocks = bits = cover8  # placeholders when absent

@@ -95,10 +95,8 @@ def stacked_summaries(
     block, nq, dim = index.block, index.diag_cover.shape[1], key.shape[-1]
     group = heads // key.shape[1]
     k_mean = torch.empty(heads, nq, dim, dtype=torch.float32, device=key.device)
-    v_mean, log_count = (
-        torch.empty_like(k_mean),
-        torch.empty(heads, nq, dtype=torch.float32, device=key.device),
-    )
+    v_mean = torch.empty_like(k_mean)
+    log_count = torch.empty(heads, nq, dtype=torch.float32, device=key.device)
     key_spread = torch.empty_like(log_count) if spread else log_count
     for kv in range(key.shape[1]):
         of_group = slice(kv * group, (kv + 1) * group)
