@@ -49,12 +49,15 @@ def _rescue(
         def rescue_of(*args, query_range=False):
             return estimate.rescue_blocks(*args[:3], scale, *args[3:], query_range=query_range)
 
-    by_mean = rescue_of(
-        query, key, heads, block, cover, listed, columns, [p.rescue - p.rescue_range for p in patterns]
-    )
+    mean_budget = [p.rescue - p.rescue_range for p in patterns]
     if not any(p.rescue_range for p in patterns):
-        return by_mean
-    held = by_mean if listed is None else torch.cat([listed, by_mean], dim=-1)
+        return rescue_of(query, key, heads, block, cover, listed, columns, mean_budget)
+    if any(mean_budget):
+        by_mean = rescue_of(query, key, heads, block, cover, listed, columns, mean_budget)
+        held = by_mean if listed is None else torch.cat([listed, by_mean], dim=-1)
+    else:  # every rescue block by the range: no mean pass to launch
+        by_mean = torch.empty(len(heads), cover.shape[-1], 0, dtype=torch.long, device=query.device)
+        held = listed
     by_range = rescue_of(query, key, heads, block, cover, held, columns, [p.rescue_range for p in patterns],
                          query_range=True)  # fmt: skip
     return torch.cat([by_mean, by_range], dim=-1)

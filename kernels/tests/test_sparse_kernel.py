@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from triton.runtime.errors import OutOfResources
@@ -161,11 +163,21 @@ def test_rescue_keys_take_one_scale_a_kv_head():
         assert torch.equal(got[:, h].view(torch.uint8), want.view(torch.uint8))
 
 
-def test_triton_estimation_gives_the_torch_index(device):
+# Rescue blocks split between the mean and the range bound, and all by the range (no mean pass).
+RANGED = [
+    replace(MIXED[0], rescue=3, rescue_range=1),
+    MIXED[1],
+    replace(MIXED[2], rescue=2, rescue_range=2),
+    replace(MIXED[0], rescue=2, rescue_range=2),
+]
+
+
+@pytest.mark.parametrize("mixed", [MIXED, RANGED], ids=["mean", "range"])
+def test_triton_estimation_gives_the_torch_index(device, mixed):
     """The whole estimation, mixed per-head patterns: Triton and torch build the same mask."""
     n, block = 150, 16
     q, k, _ = _qkv(n, 8, 2, 32, torch.float32, seed=11)
-    patterns = [MIXED[h % len(MIXED)] for h in range(8)]
+    patterns = [mixed[h % len(mixed)] for h in range(8)]
     want = index_to_mask(estimate_index(q, k, 0.2, patterns, block, last_q=16))
     got = estimate_index(q.to(device), k.to(device), 0.2, patterns, block, last_q=16, use_triton=True)
     assert torch.equal(index_to_mask(got).cpu(), want)
