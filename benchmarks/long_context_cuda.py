@@ -116,7 +116,7 @@ def main() -> None:
     parser.add_argument("--profile-dir", type=Path, help="write each run's prompt-step kernel totals here")
     parser.add_argument("--rescue-launch", type=json.loads, default={},
                         help='JSON over the rescue estimate\'s launch (kernels/sparse/pooled.LAUNCH), e.g. '
-                             '\'{"split_dots": true}\'')  # fmt: skip
+                             '\'{"split_dots": false}\'')  # fmt: skip
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:

@@ -49,6 +49,10 @@ def stages(n: int, iters: int, sweep: bool) -> dict[str, float]:
     rescue = [pat.rescue] * HEADS
     picks = pooled.rescue_blocks_triton(q, k, heads, block, cover, None, cols, rescue)
     row["rescue"] = t(lambda: pooled.rescue_blocks_triton(q, k, heads, block, cover, None, cols, rescue))
+    one = [1] * HEADS
+    row["rescue by range, one block"] = t(
+        lambda: pooled.rescue_blocks_triton(q, k, heads, block, cover, picks, cols, one, query_range=True)
+    )
     blocks = estimate.share_neighbours(picks)
     row["build_index"] = t(lambda: build_index(n, block, cover, blocks, cols))
     patterns = [pat] * HEADS
@@ -68,8 +72,8 @@ def stages(n: int, iters: int, sweep: bool) -> dict[str, float]:
         for launch in ({"block_r": 128, "num_warps": 8}, {"block_r": 64, "num_warps": 4},
                        {"block_r": 128, "num_warps": 8, "num_stages": 4}, {"key_blocks": 2},
                        {"key_blocks": 2, "num_warps": 8}, {"key_blocks": 2, "num_stages": 2},
-                       {"split_dots": True}, {"split_dots": True, "num_stages": 3},
-                       {"split_dots": True, "key_blocks": 4}):  # fmt: skip
+                       {"split_dots": False}, {"num_stages": 3},
+                       {"key_blocks": 4}):  # fmt: skip
             pooled.LAUNCH.update(launch)
             row[f"rescue {launch}"] = t(
                 lambda: pooled.rescue_blocks_triton(q, k, heads, block, cover, None, cols, rescue)
@@ -88,9 +92,7 @@ def tail_stages(q, k, v, index, scale: float, t) -> dict[str, float]:
     group), the block-mean queries, the streaming kernel, the whole tail, and pass 2 folding it."""
     tail = tail_kernel.skipped_tail_triton(q, k, v, index, scale)
     return {
-        "tail: key block summaries": t(
-            lambda: tail_kernel.stacked_summaries(k, v, index, HEADS, spread=False)
-        ),
+        "tail: key block summaries": t(lambda: tail_kernel.stacked_summaries(k, v, index, spread=False)),
         "tail: block-mean queries": t(
             lambda: estimate.block_means(q, index.block).transpose(0, 1).contiguous()
         ),

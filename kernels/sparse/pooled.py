@@ -50,11 +50,11 @@ BITS = 16  # listed blocks travel as a bitmap of BITS-bit words per query block
 # GPU: fastest of profile_sparse.py sweep (H200, 128K, ms a layer: this 3.47, one key block a step
 # at 3 stages 3.71, two at 3 stages 3.81). key_blocks: key blocks a step (one product of
 # key_blocks * block keys, max-pooled per block).
-LAUNCH = {"block_r": 128, "num_warps": 4, "num_stages": 2, "key_blocks": 2, "split_dots": False}
+LAUNCH = {"block_r": 128, "num_warps": 4, "num_stages": 2, "key_blocks": 2, "split_dots": True}
 # split_dots: a product per key block, each row's max taken over its own product, instead of one
 # product over KEY_BLOCKS blocks reshaped to pool per block (the reshape may move the product's
-# registers through shared memory). Same picks; which is faster is the sweep's to say
-# (profile_sparse.py; a candidate for the 1M-token prompt, where this kernel is 112 ms a layer).
+# registers through shared memory). Same picks; on an H200 3.11 -> 2.95 ms at 128K, and a
+# 1M-token prompt's first token 34.9-35.7 s -> 34.9-35.0 s (2026-12-05-sparse-costs-h200.md).
 
 
 @triton.jit

@@ -50,7 +50,7 @@ class Tail:
 
 @dataclass
 class BlockSummaries:
-    """Per query head of one KV group, each key block's keys less the head's columns, summarised."""
+    """Per query head, each key block's keys less the head's columns, summarised."""
 
     key: torch.Tensor  # float32 [G, Q, d]: their mean key
     value: torch.Tensor  # float32 [G, Q, d]: their mean value
@@ -67,33 +67,36 @@ def squared_norms(x: torch.Tensor) -> torch.Tensor:
 def block_summaries(
     key: torch.Tensor, value: torch.Tensor, columns: torch.Tensor, block: int, spread: bool = False
 ) -> BlockSummaries:
-    """The summaries of one KV group's key blocks for each of its query heads, less that head's
-    columns (which pass 2 attends exactly). key, value [n, d]; columns [G, C] (< 0 or >= n: none).
+    """The summaries of every key block for each query head, less that head's columns (which pass
+    2 attends exactly). key, value [n, Hkv, d]; columns [H, C] (< 0 or >= n: none), query head h
+    reading KV head h // (H / Hkv): all heads at once, a handful of launches whatever the heads.
 
     Block sums come from `block_means` (float32 sums straight from the input dtype): no float32
     copy of the keys, which at 1M tokens would be 512 MiB a KV head.
     """
-    n, dim = key.shape
+    n, kv_heads, dim = key.shape
+    heads, device = columns.shape[0], key.device
+    kv_of = torch.arange(heads, device=device) // (heads // kv_heads)  # [H]
     nq = -(-n // block)
-    sizes = (n - torch.arange(nq, device=key.device) * block).clamp(max=block).float()
-    parts = [key, value]
-    if spread:
-        parts.append(squared_norms(key))
-    sums = torch.cat([block_means(x, block) for x in parts], dim=-1) * sizes[:, None]  # [Q, 2d (+1)]
+    sizes = (n - torch.arange(nq, device=device) * block).clamp(max=block).float()
     valid = (columns >= 0) & (columns < n)
-    at = torch.where(valid, columns.long() // block, nq)  # [G, C]; nq: a dropped slot
+    at = torch.where(valid, columns.long() // block, 0)  # [H, C]; an invalid slot removes zero
     taken = columns.long().clamp(0, n - 1)
-    picked = torch.cat([x[taken].float() for x in parts], dim=-1) * valid[..., None]  # [G, C, 2d (+1)]
-    removed = torch.zeros(len(columns), nq + 1, sums.shape[-1], device=key.device)
-    removed.scatter_add_(1, at[..., None].expand_as(picked), picked)
-    gone = torch.zeros(len(columns), nq + 1, device=key.device).scatter_add_(1, at, valid.float())
-    count = sizes[None] - gone[:, :nq]  # [G, Q]
-    means = (sums[None] - removed[:, :nq]) / count.clamp(min=1)[..., None]
-    k_mean = means[..., :dim]
+    gone = torch.zeros(heads, nq, device=device).scatter_add_(1, at, valid.float())
+    count = sizes[None] - gone  # [H, Q]
+
+    def means(x: torch.Tensor) -> torch.Tensor:  # [n, Hkv, e] -> float32 [H, Q, e]
+        sums = block_means(x, block).transpose(0, 1).index_select(0, kv_of)  # one copy, [H, Q, e]
+        sums.mul_(sizes[None, :, None])
+        picked = x[taken, kv_of[:, None]].float() * valid[..., None]  # [H, C, e]
+        sums.scatter_add_(1, at[..., None].expand_as(picked), -picked)
+        return sums.div_(count.clamp(min=1)[..., None])
+
+    k_mean = means(key)
     key_spread = None
     if spread:
-        key_spread = (means[..., 2 * dim] - k_mean.pow(2).sum(-1)).clamp(min=0) / dim
-    return BlockSummaries(k_mean, means[..., dim : 2 * dim], torch.log(count), key_spread)
+        key_spread = (means(squared_norms(key))[..., 0] - k_mean.pow(2).sum(-1)).clamp(min=0) / dim
+    return BlockSummaries(k_mean, means(value), torch.log(count), key_spread)
 
 
 def skipped_tail(
@@ -125,7 +128,9 @@ def skipped_tail(
     out = torch.zeros(heads, nq, value.shape[-1], device=query.device)
     for kv in range(key.shape[1]):
         rows = slice(kv * group, (kv + 1) * group)
-        summary = block_summaries(key[:, kv], value[:, kv], index.columns[rows], block, spread)
+        summary = block_summaries(
+            key[:, kv : kv + 1], value[:, kv : kv + 1], index.columns[rows], block, spread
+        )
         scores = (q_mean[:, rows].transpose(0, 1) @ summary.key.transpose(1, 2)) * scale  # [G, Q, Q]
         if spread:
             scores += 0.5 * scale**2 * q_norm[:, rows].t()[:, :, None] * summary.spread[:, None, :]

@@ -87,28 +87,13 @@ def _tail_kernel(
 
 
 def stacked_summaries(
-    key: torch.Tensor, value: torch.Tensor, index: SparseIndex, heads: int, spread: bool
+    key: torch.Tensor, value: torch.Tensor, index: SparseIndex, spread: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every query head's key-block summaries (`tail.block_summaries`, KV group by group), stacked
-    for the kernel: float32 mean keys and values [H, Q, d], log counts [H, Q], and the keys'
-    spread [H, Q] (the log counts again, unread, without `spread`)."""
-    block, nq, dim = index.block, index.diag_cover.shape[1], key.shape[-1]
-    group = heads // key.shape[1]
-    k_mean = torch.empty(heads, nq, dim, dtype=torch.float32, device=key.device)
-    v_mean = torch.empty_like(k_mean)
-    log_count = torch.empty(heads, nq, dtype=torch.float32, device=key.device)
-    key_spread = torch.empty_like(log_count) if spread else log_count
-    for kv in range(key.shape[1]):
-        of_group = slice(kv * group, (kv + 1) * group)
-        summary = block_summaries(key[:, kv], value[:, kv], index.columns[of_group], block, spread)
-        k_mean[of_group], v_mean[of_group], log_count[of_group] = (
-            summary.key,
-            summary.value,
-            summary.log_count,
-        )
-        if spread:
-            key_spread[of_group] = summary.spread
-    return k_mean, v_mean, log_count, key_spread
+    """Every query head's key-block summaries (`tail.block_summaries`) for the kernel: float32
+    mean keys and values [H, Q, d], log counts [H, Q], and the keys' spread [H, Q] (the log
+    counts again, unread, without `spread`)."""
+    summary = block_summaries(key, value, index.columns, index.block, spread)
+    return summary.key, summary.value, summary.log_count, summary.spread if spread else summary.log_count
 
 
 def skipped_tail_triton(
@@ -128,7 +113,7 @@ def skipped_tail_triton(
     rows = [h for h in range(heads) if enabled is None or enabled[h]]
     if not rows:
         return Tail(logit=logit, value=out)
-    k_mean, v_mean, log_count, key_spread = stacked_summaries(key, value, index, heads, spread)
+    k_mean, v_mean, log_count, key_spread = stacked_summaries(key, value, index, spread)
     q_mean = block_means(query, block).transpose(0, 1).contiguous()  # [H, Q, d]
     q_norm = log_count  # unread without spread
     if spread:

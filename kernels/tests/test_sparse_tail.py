@@ -14,7 +14,7 @@ from tgserve.kernels.sparse.config import HeadPattern
 from tgserve.kernels.sparse.estimate import column_keys, held_blocks
 from tgserve.kernels.sparse.index import index_to_mask
 from tgserve.kernels.sparse.kernel import sparse_attention_kernel
-from tgserve.kernels.sparse.tail import Tail, fold_tail, masked_lse, skipped_tail
+from tgserve.kernels.sparse.tail import Tail, block_summaries, fold_tail, masked_lse, skipped_tail
 from tgserve.kernels.sparse.tail_kernel import skipped_tail_triton
 
 # The last-query slashes and top columns, few enough that most blocks are skipped.
@@ -68,6 +68,28 @@ def test_columns_are_taken_out_of_the_tail():
     expected = (~held & before & other_keys[:, None, :]).any(-1)  # [H, Q]
     assert expected.any() and not expected.all()
     assert torch.equal(torch.isfinite(tail.logit), expected)
+
+
+def test_block_summaries_are_each_blocks_keys_less_the_heads_columns():
+    """Mean key and value, key count and spread of every key block, each query head's columns
+    (sinks, verticals; -1 or past the prompt: none) left out, the last block partial."""
+    n, block, heads, kv_heads, dim = 100, 16, 4, 2, 8
+    gen = torch.Generator().manual_seed(7)
+    k, v = (torch.randn(n, kv_heads, dim, generator=gen) for _ in range(2))
+    columns = torch.stack([torch.randperm(n, generator=gen)[:12] for _ in range(heads)])
+    columns[:, -2:] = torch.tensor([-1, n + 5])
+    columns[0, :3] = torch.tensor([96, 97, 98])  # most of the partial last block
+    got = block_summaries(k, v, columns, block, spread=True)
+    for h in range(heads):
+        for j in range(-(-n // block)):
+            keys = [t for t in range(j * block, min(n, (j + 1) * block)) if t not in columns[h].tolist()]
+            kv_rows = k[keys, h // 2], v[keys, h // 2]
+            assert got.log_count[h, j] == torch.log(torch.tensor(float(len(keys))))
+            torch.testing.assert_close(got.key[h, j], kv_rows[0].mean(0))
+            torch.testing.assert_close(got.value[h, j], kv_rows[1].mean(0))
+            torch.testing.assert_close(
+                got.spread[h, j], kv_rows[0].var(0, correction=0).mean(), atol=1e-5, rtol=1e-4
+            )
 
 
 def test_fold_tail_is_one_more_key():
