@@ -161,6 +161,14 @@ def block_ranges(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tenso
     return _joined([rows.amax(1) for rows in parts]), _joined([rows.amin(1) for rows in parts])
 
 
+def range_rows(q: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ([H, Q, d], [H, Q, d]) of q [n, H, d]: each query block's per-coordinate midpoint
+    and half-width of its range; mid . k + radius . |k| is the largest logit any of the block's
+    queries gives k."""
+    high, low = (x.transpose(0, 1).float() for x in block_ranges(q, block))
+    return (high + low) / 2, (high - low) / 2
+
+
 def block_causal(nq: int, device: torch.device) -> torch.Tensor:
     """bool [Q, Q]: key block j is visible from query block i."""
     i = torch.arange(nq, device=device)
@@ -194,17 +202,25 @@ def pooled_max_scores(
     query_range: instead of the mean, the query block's range bound of each key's logit, the
     largest any of its queries can give it (Quest's bound turned around: per coordinate the
     block's largest query value times the key's positive part plus its smallest times the
-    negative part). A key salient to a few of the block's queries keeps its full logit in the
-    bound, where the mean divides it among all the rows. Products in the inputs' dtype.
+    negative part, computed as mid . k + radius . |k| with mid and radius the range's midpoint
+    and half-width). A key salient to a few of the block's queries keeps its full logit in the
+    bound, where the mean divides it among all the rows. From 16-bit inputs mid and radius are
+    e4m3 rows with a scale each (the two products are added, so the scales are applied).
     """
     n = q.shape[0]
     nq = -(-n // block)
     per_key = torch.full((q.shape[1], nq, nq * block), float("-inf"), device=q.device)
     if query_range:
-        high, low = (x.transpose(0, 1).float() for x in block_ranges(q, block))  # [G, Q, d] each
-        keys = k.float()
-        positive = keys.clamp(min=0)
-        per_key[..., :n] = (high @ positive.t() + low @ (keys - positive).t()) * scale
+        mid, radius = range_rows(q, block)  # [G, Q, d] each
+        if fp8_products(k):
+            mid8, mid_scale = quantize_rows(mid.reshape(-1, mid.shape[-1]))
+            radius8, radius_scale = quantize_rows(radius.reshape(-1, mid.shape[-1]))
+            k8 = quantize_rows(k, tensor_scale(k))[0].float()
+            bound = (mid8.float() @ k8.t()) * mid_scale + (radius8.float() @ k8.abs().t()) * radius_scale
+            per_key[..., :n] = bound.view(*mid.shape[:2], n) * scale
+        else:
+            keys = k.float()
+            per_key[..., :n] = (mid @ keys.t() + radius @ keys.abs().t()) * scale
         return _pooled(per_key, n, block, skip_keys)
     qm = block_means(q, block).transpose(0, 1)  # [G, Q, d]
     if fp8_products(k):

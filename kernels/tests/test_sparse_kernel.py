@@ -116,7 +116,7 @@ def test_rescue_blocks_triton_match_torch(device, held, budget, key_blocks, spli
     """Top pooled-max blocks outside the held diagonals, listed blocks and column keys; key blocks
     one to four a step (10 query blocks: a step of 4 reaches past the last one), in one product
     or a product a block. fp16: products of e4m3 rows on both sides (with query_range, the query
-    blocks' range bound: two products in the inputs' dtype)."""
+    blocks' range bound: two products, each row's scale applied)."""
     from tgserve.kernels.sparse import pooled
 
     monkeypatch.setitem(pooled.LAUNCH, "key_blocks", key_blocks)
