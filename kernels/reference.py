@@ -402,6 +402,26 @@ def fused_add_rms_norm(
     return rms_norm(residual, weight, eps), residual
 
 
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: x / rms(x) * (1 + weight), all in float32, cast back (Llama casts before
+    it scales)."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (1.0 + weight.float())).type_as(x)
+
+
+def gemma_norm_add(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    next_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(residual + gemma_rms_norm(x), and with next_weight that sum's gemma_rms_norm by it)."""
+    hidden = residual + gemma_rms_norm(x, weight, eps)
+    return hidden, None if next_weight is None else gemma_rms_norm(hidden, next_weight, eps)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -423,6 +443,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's gating of a fused [..., 2I] gate/up projection: silu(gate) * up."""
     gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU's gating (Gemma) of a fused [..., 2I] gate/up projection: gelu_tanh(gate) * up."""
+    gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def fused_moe(

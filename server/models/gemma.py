@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
+from tgserve.kernels import dispatch
 from tgserve.server.attention.forward_context import paged_attention
 from tgserve.server.distributed.tensor_parallel import tensor_parallel
 from tgserve.server.kv_cache.spec import head_dim, num_kv_heads
@@ -42,9 +43,7 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * (1.0 + self.weight.float())).type_as(x)
+        return dispatch.gemma_rms_norm(x, self.weight, self.eps)
 
 
 def is_gemma3(config: Any) -> bool:
@@ -119,10 +118,15 @@ class GemmaMLP(nn.Module):
         size = config.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [size, size], False)
         self.down_proj = RowParallelLinear(size, config.hidden_size, False)
+        # Gemma 2 and 3 gate with tanh GELU: one fused kernel on a GPU; any other activation as given.
+        self.tanh_gelu = config.hidden_activation == "gelu_pytorch_tanh"
         self.act = ACT2FN[config.hidden_activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.tanh_gelu:
+            return self.down_proj(dispatch.gelu_tanh_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -137,8 +141,13 @@ class GemmaDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         attended = self.self_attn(positions, self.input_layernorm(hidden))
-        hidden = hidden + self.post_attention_layernorm(attended)
-        return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
+        # hidden + post_attention_layernorm(attended), and that normed for the MLP, in one pass
+        hidden, mlp_input = dispatch.gemma_norm_add(
+            attended, hidden, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps,
+            self.pre_feedforward_layernorm.weight,
+        )  # fmt: skip
+        post = self.post_feedforward_layernorm
+        return dispatch.gemma_norm_add(self.mlp(mlp_input), hidden, post.weight, post.eps)[0]
 
 
 class GemmaModel(nn.Module):
