@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from tgserve.kernels import reference
+from tgserve.kernels import moe_routing, reference
 from tgserve.kernels.decode_selection import DecodeSelection, choose_blocks, top_blocks
 from tgserve.kernels.moe_routing import ClampedSwiGLU
 from tgserve.kernels.sparse.config import SparseConfig
@@ -458,6 +458,27 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
         return triton_silu_and_mul(gate_up)
     return reference.silu_and_mul(gate_up)
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A mixture-of-experts router (`moe_routing.route`): softmax over every expert, the top k,
+    optionally renormalised; (weights float32 [T, k], ids int64 [T, k])."""
+    if use_triton(logits):
+        from tgserve.kernels.moe_router import route_triton, routes_in_one_launch
+
+        if routes_in_one_launch(logits, top_k):
+            return route_triton(logits, top_k, renormalize)
+    return moe_routing.route(logits, top_k, renormalize)
+
+
+def route_top_logits(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss's router (`moe_routing.route_top_logits`): the top k logits, then their softmax."""
+    if use_triton(logits):
+        from tgserve.kernels.moe_router import route_triton, routes_in_one_launch
+
+        if routes_in_one_launch(logits, top_k):
+            return route_triton(logits, top_k, softmax_first=False)
+    return moe_routing.route_top_logits(logits, top_k)
 
 
 def fused_moe(

@@ -63,11 +63,9 @@ def test_gpt_oss_routing_is_a_softmax_over_the_top_logits():
     assert ids.tolist() == [[0, 1]] and torch.allclose(weights, torch.softmax(logits[:, :2], -1))
 
 
-def test_assignments_are_grouped_by_expert_in_whole_blocks():
-    ids = torch.tensor([[3, 1], [1, 0], [3, 2], [3, 1]])
-    layout = expert_blocks(ids, num_experts=6, block_m=4)
-    assert layout.num_blocks == -(-(ids.numel() + 6 * 3) // 4), "sized by the row count alone"
-    rows = layout.rows.view(layout.num_blocks, 4)
+def _assignments_by_block(layout, ids: torch.Tensor) -> list[int]:
+    """Every block's assignments, checked to be of the block's expert; unused blocks empty."""
+    rows = layout.rows.view(layout.num_blocks, layout.block_m)
     flat = ids.flatten()
     seen = []
     for block, expert in zip(rows.tolist(), layout.block_expert.tolist(), strict=True):
@@ -77,8 +75,23 @@ def test_assignments_are_grouped_by_expert_in_whole_blocks():
             continue
         assert used and all(flat[r] == expert for r in used)
         seen += used
-    assert sorted(seen) == list(range(ids.numel())), "every assignment once"
+    return seen
+
+
+def test_assignments_are_grouped_by_expert_in_whole_blocks():
+    ids = torch.tensor([[3, 1], [1, 0], [3, 2], [3, 1]])
+    layout = expert_blocks(ids, num_experts=6, block_m=4)
+    assert layout.num_blocks == -(-(ids.numel() + 6 * 3) // 4), "sized by the row count alone"
+    assert sorted(_assignments_by_block(layout, ids)) == list(range(ids.numel())), "every assignment once"
     assert layout.block_expert.tolist()[:4] == [0, 1, 2, 3], "experts 4 and 5, unchosen, get no block"
+
+
+def test_one_token_takes_a_block_an_expert_without_sorting():
+    """Batch-1 decode: k blocks, one per chosen expert in slot order, each with its one row."""
+    ids = torch.tensor([[5, 0, 3]])
+    layout = expert_blocks(ids, num_experts=6, block_m=4)
+    assert layout.num_blocks == 3 and layout.block_expert.tolist() == [5, 0, 3]
+    assert _assignments_by_block(layout, ids) == [0, 1, 2]
 
 
 def test_route_renormalises_only_when_asked():
@@ -87,6 +100,35 @@ def test_route_renormalises_only_when_asked():
     assert ids.tolist() == [[0, 1]]
     assert torch.allclose(weights, torch.softmax(logits, -1)[:, :2])
     assert torch.allclose(route(logits, 2, renormalize=True)[0].sum(-1), torch.ones(1))
+
+
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 128, 8), (3, 8, 2), (5, 60, 4), (2, 32, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_router_kernel_equals_the_twins(device, tokens, experts, top_k, dtype, renormalize):
+    """Softmax first (Mixtral, Qwen MoE) or the top logits' softmax (gpt-oss): the same experts in
+    the same order, weights within float32 rounding (60 experts: a row padded to 64)."""
+    from tgserve.kernels.moe_router import route_triton
+
+    logits = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(experts)).to(dtype)
+    for softmax_first in (True, False):
+        if softmax_first:
+            want = route(logits, top_k, renormalize)
+        else:
+            want = route_top_logits(logits, top_k)
+        got = route_triton(logits.to(device), top_k, renormalize, softmax_first)
+        assert torch.equal(got[1].cpu(), want[1])
+        assert got[0].dtype == torch.float32
+        torch.testing.assert_close(got[0].cpu(), want[0], rtol=1e-5, atol=1e-6)
+
+
+def test_router_dispatch_takes_the_kernel_only_for_decode_steps():
+    from tgserve.kernels.moe_router import MAX_TOKENS, routes_in_one_launch
+
+    assert routes_in_one_launch(torch.zeros(1, 128), 8)
+    assert not routes_in_one_launch(torch.zeros(MAX_TOKENS + 1, 128), 8), "prompt steps: torch"
+    assert not routes_in_one_launch(torch.zeros(1, 128), 6), "k not a power of two"
+    assert not routes_in_one_launch(torch.zeros(1, 4), 8), "k past the experts"
 
 
 @pytest.mark.gpu

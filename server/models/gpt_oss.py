@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from tgserve.kernels import dispatch
-from tgserve.kernels.moe_routing import ClampedSwiGLU, route_top_logits
+from tgserve.kernels.moe_routing import ClampedSwiGLU
 from tgserve.server.distributed.tensor_parallel import tensor_parallel
 from tgserve.server.models.llama import LlamaForCausalLM
 from tgserve.server.models.moe import ExpertWeights, experts_of, in_row_slices, load_with_experts
@@ -109,7 +109,7 @@ class GptOssMoE(nn.Module):
         return in_row_slices(self._rows, x)
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route_top_logits(self.router(x), self.top_k)
+        weights, ids = dispatch.route_top_logits(self.router(x), self.top_k)
         experts = self.experts
         out = dispatch.fused_moe(x, experts.w_gate_up, experts.w_down, weights, ids,
                                  (experts.b_gate_up, experts.b_down), self.gating)  # fmt: skip

@@ -26,7 +26,6 @@ import torch
 from torch import nn
 
 from tgserve.kernels import dispatch
-from tgserve.kernels.moe_routing import route
 from tgserve.server.distributed.tensor_parallel import tensor_parallel
 from tgserve.server.models.llama import ROWS_AT_ONCE, LlamaForCausalLM, LlamaMLP, load_fused_weights
 
@@ -119,7 +118,7 @@ class SparseMoE(nn.Module):
         return in_row_slices(self._rows, x)
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        weights, ids = dispatch.route(self.gate(x), self.top_k, self.renormalize)
         if self.round_weights:
             weights = weights.to(x.dtype)
         out = dispatch.fused_moe(x, self.experts.w_gate_up, self.experts.w_down, weights, ids)
