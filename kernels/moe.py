@@ -26,9 +26,12 @@ from tgserve.kernels.moe_routing import ClampedSwiGLU, expert_blocks
 from tgserve.kernels.triton_common import dot_precision, interpreting
 
 # Rows a block: decode steps have a few rows an expert (16: tl.dot's least), prompt steps many.
-# (BLOCK_N, BLOCK_K, warps, stages) for both GEMMs.
+# (BLOCK_N, BLOCK_K, warps, stages) for both GEMMs, prompt steps and decode steps (blocks of
+# SMALL_BLOCK_M rows): a decode step reads each chosen expert's weights once and is bound by how
+# many bytes are in flight, so its tiles are `kernels/bench/bench_moe.py`'s to choose.
 SMALL_BLOCK_M, LARGE_BLOCK_M = 16, 64
 LAUNCH = {"block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3}
+DECODE_LAUNCH = dict(LAUNCH)
 
 
 def block_rows(assignments: int, num_experts: int) -> int:
@@ -139,9 +142,10 @@ def fused_moe_triton(
     block_m = block_rows(tokens * top_k, num_experts)
     layout = expert_blocks(ids, num_experts, block_m)
     small = interpreting()
-    block_n = 16 if small else LAUNCH["block_n"]
-    block_k = 16 if small else LAUNCH["block_k"]
-    launch = {} if small else {"num_warps": LAUNCH["num_warps"], "num_stages": LAUNCH["num_stages"]}
+    tiles = DECODE_LAUNCH if block_m == SMALL_BLOCK_M else LAUNCH
+    block_n = 16 if small else tiles["block_n"]
+    block_k = 16 if small else tiles["block_k"]
+    launch = {} if small else {"num_warps": tiles["num_warps"], "num_stages": tiles["num_stages"]}
     common = dict(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=dot_precision(x.dtype), **launch
     )

@@ -1,0 +1,76 @@
+"""The grouped MoE kernels at batch-1 decode: tiles swept, time and bandwidth against the bytes of
+the chosen experts, in CUDA graphs (kernels/moe.py's DECODE_LAUNCH is set from this table).
+
+    python kernels/bench/bench_moe.py
+
+One token routed to k experts of each family's real shape, bf16; each graph runs the layer over
+enough copies of the experts to exceed L2, as a decode step reads them from HBM. Every setting is
+checked against the default's output first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+from bench_gemv import graph_us  # this script's folder is on sys.path when run as a script
+
+from tgserve.kernels import moe
+from tgserve.kernels.moe_routing import route
+
+FAMILIES = {  # name: (experts, top k, hidden, intermediate)
+    "qwen3-30b-a3b": (128, 8, 2048, 768),
+    "mixtral-8x7b": (8, 2, 4096, 14336),
+    "gpt-oss-20b": (32, 4, 2880, 2880),
+}
+SWEEP = [
+    dict(block_n=n, block_k=k, num_warps=w, num_stages=s)
+    for n, k, w, s in itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (3, 4))
+]
+
+
+def layers(experts: int, top_k: int, hidden: int, inter: int, copies: int):
+    x = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
+    weights, ids = route(torch.randn(1, experts, device="cuda"), top_k, renormalize=True)
+    w = [(0.02 * torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16),
+          0.02 * torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16)) for _ in range(copies)]  # fmt: skip
+    return x, weights, ids, w
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--families", nargs="*", default=list(FAMILIES))
+    args = parser.parse_args()
+    default = dict(moe.DECODE_LAUNCH)
+    print("| family | expert bytes a token (MB) | launch | us | GB/s |\n|---|---|---|---|---|")
+    for name in args.families:
+        experts, top_k, hidden, inter = FAMILIES[name]
+        active = top_k * 3 * hidden * inter * 2
+        # Three copies of the experts: the chosen ones of one copy (75-700 MB) already exceed L2.
+        x, weights, ids, w = layers(experts, top_k, hidden, inter, copies=3)
+        want = moe.fused_moe_triton(x, *w[0], weights, ids)
+        rows = []
+        for launch in [default] + SWEEP:
+            moe.DECODE_LAUNCH.update(launch)
+            try:
+                got = moe.fused_moe_triton(x, *w[0], weights, ids)
+            except Exception as error:  # a tile that does not fit shared memory
+                print(f"| {name} | | {launch} | failed: {type(error).__name__} | |")
+                continue
+            assert (got.float() - want.float()).abs().max() <= 2e-2 * want.abs().max()
+            us = graph_us([lambda c=c, x=x, r=(weights, ids): moe.fused_moe_triton(x, *c, *r) for c in w])
+            rows.append((us, launch))
+        moe.DECODE_LAUNCH.update(default)
+        rows.sort(key=lambda r: r[0])
+        base = next(us for us, launch in rows if launch == default)
+        for us, launch in [r for r in rows if r[1] == default] + rows[:5]:
+            tag = "default" if launch == default else launch
+            print(f"| {name} | {active / 1e6:.1f} | {tag} | {us:.1f} | {active / us / 1e3:.0f} |")
+        print(f"| {name} | | best / default | {rows[0][0] / base:.2f}x | |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
