@@ -66,7 +66,7 @@ def main() -> None:
         moe.DECODE_LAUNCH.update(default)
         rows.sort(key=lambda r: r[0])
         base = next(us for us, launch in rows if launch == default)
-        for us, launch in [r for r in rows if r[1] == default] + rows[:5]:
+        for us, launch in [(base, default)] + [r for r in rows if r[1] != default][:5]:
             tag = "default" if launch == default else launch
             print(f"| {name} | {active / 1e6:.1f} | {tag} | {us:.1f} | {active / us / 1e3:.0f} |")
         print(f"| {name} | | best / default | {rows[0][0] / base:.2f}x | |", flush=True)
