@@ -399,10 +399,19 @@ def fused_add_rms_norm(
 def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Gemma's RMSNorm of the last dim: x / rms(x) * (1 + weight) in float32, in x's dtype."""
     if use_triton(x):
-        from tgserve.kernels.gemma_fused import gemma_rms_norm as triton_gemma_rms_norm
+        from tgserve.kernels.scaled_norms import gemma_rms_norm as triton_gemma_rms_norm
 
         return triton_gemma_rms_norm(x, weight, eps)
     return reference.gemma_rms_norm(x, weight, eps)
+
+
+def float_scaled_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`(weight * (x / rms(x))).to(x.dtype)` with the product in float32 (OLMo's RMSNorm)."""
+    if use_triton(x):
+        from tgserve.kernels.scaled_norms import float_scaled_rms_norm as triton_float_scaled_rms_norm
+
+        return triton_float_scaled_rms_norm(x, weight, eps)
+    return reference.float_scaled_rms_norm(x, weight, eps)
 
 
 def gemma_norm_add(
@@ -415,7 +424,7 @@ def gemma_norm_add(
     """(residual + gemma_rms_norm(x, weight), and with next_weight that sum normed by it): a
     sublayer's output into the residual stream, and the next sublayer's input."""
     if use_triton(x):
-        from tgserve.kernels.gemma_fused import gemma_norm_add as triton_gemma_norm_add
+        from tgserve.kernels.scaled_norms import gemma_norm_add as triton_gemma_norm_add
 
         return triton_gemma_norm_add(x, residual, weight, eps, next_weight)
     return reference.gemma_norm_add(x, residual, weight, eps, next_weight)
@@ -424,7 +433,7 @@ def gemma_norm_add(
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gelu_tanh(gate) * up of a fused [..., 2I] gate/up projection (Gemma)."""
     if use_triton(gate_up):
-        from tgserve.kernels.gemma_fused import gelu_tanh_and_mul as triton_gelu_tanh_and_mul
+        from tgserve.kernels.fused import gelu_tanh_and_mul as triton_gelu_tanh_and_mul
 
         return triton_gelu_tanh_and_mul(gate_up)
     return reference.gelu_tanh_and_mul(gate_up)

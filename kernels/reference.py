@@ -410,6 +410,14 @@ def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return (normed * (1.0 + weight.float())).type_as(x)
 
 
+def float_scaled_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm scaled by the weight in float32, then cast back (OLMo's and others' in transformers;
+    Llama casts before it scales)."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * normed).to(x.dtype)
+
+
 def gemma_norm_add(
     x: torch.Tensor,
     residual: torch.Tensor,

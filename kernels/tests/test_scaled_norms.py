@@ -1,5 +1,6 @@
-"""Gemma's fused layer glue (kernels/gemma_fused.py) against the torch twins: its RMSNorm, the norm
-after a sublayer added to the residual stream (with the next norm), and the tanh-GELU gating.
+"""RMSNorms that scale in float32 (kernels/scaled_norms.py: Gemma's, OLMo's kind), Gemma's norm
+after a sublayer added to the residual stream (with the next norm), and the tanh-GELU gating
+(kernels/fused.py), against the torch twins.
 
 The residual add and the GELU's rounding points follow torch's; the norm's reduction order and the
 last bits of tanh may differ, so normed outputs compare within about one unit in the last place.
@@ -27,10 +28,16 @@ def _randn(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> to
     return (torch.randn(*shape, generator=gen) * scale).to(dtype)
 
 
-def _gemma():
-    from tgserve.kernels import gemma_fused  # imports Triton: only inside tests that got the device fixture
+def _norms():
+    from tgserve.kernels import scaled_norms  # imports Triton: only inside tests that got the device fixture
 
-    return gemma_fused
+    return scaled_norms
+
+
+def _fused():
+    from tgserve.kernels import fused
+
+    return fused
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -39,9 +46,20 @@ def test_gemma_rms_norm(device, dtype, tokens, hidden):
     """x / rms(x) * (1 + weight): weights near zero, as Gemma's are stored."""
     x = _randn(tokens, hidden, dtype=dtype, seed=1, scale=3.0)
     weight = _randn(hidden, dtype=dtype, seed=2, scale=0.3)
-    got = _gemma().gemma_rms_norm(to_device(x, device), to_device(weight, device), 1e-6)
+    got = _norms().gemma_rms_norm(to_device(x, device), to_device(weight, device), 1e-6)
     assert got.dtype == dtype and got.is_contiguous()
     torch.testing.assert_close(got.cpu(), reference.gemma_rms_norm(x, weight, 1e-6), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,hidden", SHAPES)
+def test_float_scaled_rms_norm(device, dtype, tokens, hidden):
+    """(weight * (x / rms(x))).to(dtype): OLMo's RMSNorm, the product in float32."""
+    x = _randn(tokens, hidden, dtype=dtype, seed=21, scale=3.0)
+    weight = _randn(hidden, dtype=dtype, seed=22)
+    got = _norms().float_scaled_rms_norm(to_device(x, device), to_device(weight, device), 1e-6)
+    assert got.dtype == dtype and got.is_contiguous()
+    torch.testing.assert_close(got.cpu(), reference.float_scaled_rms_norm(x, weight, 1e-6), **TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -50,7 +68,7 @@ def test_gemma_rms_norm_per_head_of_a_fused_projection(device, dtype):
     qkv = _randn(3, (8 + 2 * 4) * 32, dtype=dtype, seed=3)
     q = qkv[:, : 8 * 32].view(3, 8, 32)
     weight = _randn(32, dtype=dtype, seed=4, scale=0.3)
-    got = _gemma().gemma_rms_norm(to_device(q, device), to_device(weight, device), 1e-6).cpu()
+    got = _norms().gemma_rms_norm(to_device(q, device), to_device(weight, device), 1e-6).cpu()
     assert got.shape == q.shape
     torch.testing.assert_close(got, reference.gemma_rms_norm(q, weight, 1e-6), **TOL[dtype])
 
@@ -66,7 +84,7 @@ def test_gemma_norm_add(device, dtype, tokens, hidden, with_next):
     nxt = next_weight if with_next else None
     inputs = [to_device(t, device) for t in (x, residual, weight)]
     before = [t.clone() for t in inputs]
-    hidden_out, normed = _gemma().gemma_norm_add(
+    hidden_out, normed = _norms().gemma_norm_add(
         *inputs, 1e-6, None if nxt is None else to_device(nxt, device)
     )
     want_hidden, want_normed = reference.gemma_norm_add(x, residual, weight, 1e-6, nxt)
@@ -83,7 +101,7 @@ def test_gemma_norm_add(device, dtype, tokens, hidden, with_next):
 def test_gelu_tanh_and_mul(device, dtype, tokens, inter):
     gate_up = _randn(tokens, 2 * inter, dtype=dtype, seed=9, scale=3.0)
     gate_up[0, :3] = torch.tensor([-40.0, 40.0, 0.0]).to(dtype)  # tanh saturating both ways
-    got = _gemma().gelu_tanh_and_mul(to_device(gate_up, device)).cpu()
+    got = _fused().gelu_tanh_and_mul(to_device(gate_up, device)).cpu()
     assert got.shape == (tokens, inter) and torch.isfinite(got).all()
     torch.testing.assert_close(got, reference.gelu_tanh_and_mul(gate_up), **TOL[dtype])
 
@@ -91,17 +109,17 @@ def test_gelu_tanh_and_mul(device, dtype, tokens, inter):
 def test_gelu_tanh_and_mul_strided_rows(device):
     wide = _randn(5, 3 * 200, dtype=torch.float16, seed=10)
     gate_up = wide[:, 100:500]  # token stride 600, not 400
-    got = _gemma().gelu_tanh_and_mul(to_device(gate_up, device)).cpu()
+    got = _fused().gelu_tanh_and_mul(to_device(gate_up, device)).cpu()
     torch.testing.assert_close(got, reference.gelu_tanh_and_mul(gate_up), **TOL[torch.float16])
 
 
 def test_empty_batches(device):
-    gemma = _gemma()
+    norms = _norms()
     x, w = torch.zeros(0, 64, device=device), torch.zeros(64, device=device)
-    assert gemma.gemma_rms_norm(x, w, 1e-6).shape == (0, 64)
-    hidden, normed = gemma.gemma_norm_add(x, x, w, 1e-6, w)
+    assert norms.gemma_rms_norm(x, w, 1e-6).shape == norms.float_scaled_rms_norm(x, w, 1e-6).shape == (0, 64)
+    hidden, normed = norms.gemma_norm_add(x, x, w, 1e-6, w)
     assert hidden.shape == normed.shape == (0, 64)
-    assert gemma.gelu_tanh_and_mul(torch.zeros(0, 32, device=device)).shape == (0, 16)
+    assert _fused().gelu_tanh_and_mul(torch.zeros(0, 32, device=device)).shape == (0, 16)
 
 
 def test_cpu_dispatch_is_the_twin():
@@ -111,6 +129,9 @@ def test_cpu_dispatch_is_the_twin():
 
     x, r, w, w2 = (_randn(3, 64, dtype=torch.float32, seed=s) for s in (11, 12, 13, 14))
     assert torch.equal(dispatch.gemma_rms_norm(x, w, 1e-6), reference.gemma_rms_norm(x, w, 1e-6))
+    assert torch.equal(
+        dispatch.float_scaled_rms_norm(x, w, 1e-6), reference.float_scaled_rms_norm(x, w, 1e-6)
+    )
     got = dispatch.gemma_norm_add(x, r, w, 1e-6, w2)
     want = reference.gemma_norm_add(x, r, w, 1e-6, w2)
     assert all(map(torch.equal, got, want))
