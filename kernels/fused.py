@@ -284,7 +284,9 @@ def rotary(
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_xt, inter, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+def _act_and_mul_kernel(
+    x_ptr, out_ptr, stride_xt, inter, GELU_TANH: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False
+):  # fmt: skip
     wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -292,62 +294,46 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_xt, inter, BLOCK: tl.constexpr, 
     gate = tl.load(x_ptr + token * stride_xt + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + token * stride_xt + inter + cols, mask=mask, other=0.0)
     ty: tl.constexpr = out_ptr.dtype.element_ty
-    # torch's silu formula, rounded to the dtype before the multiply as its own kernel's output is.
-    act = tl.div_rn(gate, 1.0 + tl.exp(-gate)).to(ty)
+    # torch's formulas, rounded to the dtype before the multiply as its own kernels' outputs are.
+    if GELU_TANH:  # 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
+        inner = 0.7978845608028654 * (gate + 0.044715 * (gate * gate * gate))
+        act = (0.5 * gate * (1.0 + tanh(inner))).to(ty)
+    else:  # silu
+        act = tl.div_rn(gate, 1.0 + tl.exp(-gate)).to(ty)
     tl.store(out_ptr + token * inter + cols, _round_mul(act, up, ty), mask=mask)
 
 
-SILU_BLOCK = 1024
+ACT_BLOCK = 1024
+
+
+def _act_and_mul(gate_up: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
+    width = gate_up.shape[-1]
+    assert width % 2 == 0
+    inter = width // 2
+    out = torch.empty((*gate_up.shape[:-1], inter), dtype=gate_up.dtype, device=gate_up.device)
+    rows = out.numel() // inter if inter else 0
+    if rows == 0:
+        return out
+    x = _unit_stride_last(gate_up).reshape(-1, width)
+    block = min(ACT_BLOCK, triton.next_power_of_2(inter))
+    _act_and_mul_kernel[(rows, triton.cdiv(inter, block))](
+        x,
+        out,
+        x.stride(0),
+        inter,
+        GELU_TANH=gelu_tanh,
+        BLOCK=block,
+        num_warps=4 if block >= 512 else 1,
+        **pdl(x),
+    )
+    return out
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate_up[..., :I]) * gate_up[..., I:] for gate_up [..., 2I]; a new contiguous [..., I]."""
-    width = gate_up.shape[-1]
-    assert width % 2 == 0
-    inter = width // 2
-    out = torch.empty((*gate_up.shape[:-1], inter), dtype=gate_up.dtype, device=gate_up.device)
-    rows = out.numel() // inter if inter else 0
-    if rows == 0:
-        return out
-    x = _unit_stride_last(gate_up).reshape(-1, width)
-    block = min(SILU_BLOCK, triton.next_power_of_2(inter))
-    _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](x, out, x.stride(0), inter, BLOCK=block,
-                                                            num_warps=4 if block >= 512 else 1, **pdl(x))  # fmt: skip
-    return out
-
-
-@triton.jit
-def _gelu_tanh_and_mul_kernel(
-    x_ptr, out_ptr, stride_xt, inter, BLOCK: tl.constexpr, PDL: tl.constexpr = False
-):
-    wait_for_inputs(PDL)
-    token = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < inter
-    gate = tl.load(x_ptr + token * stride_xt + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + token * stride_xt + inter + cols, mask=mask, other=0.0)
-    ty: tl.constexpr = out_ptr.dtype.element_ty
-    # torch's tanh GELU: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), rounded before the multiply.
-    inner = 0.7978845608028654 * (gate + 0.044715 * (gate * gate * gate))
-    act = (0.5 * gate * (1.0 + tanh(inner))).to(ty)
-    tl.store(out_ptr + token * inter + cols, _round_mul(act, up, ty), mask=mask)
-
-
-GELU_BLOCK = 1024
+    return _act_and_mul(gate_up, gelu_tanh=False)
 
 
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gelu_tanh(gate_up[..., :I]) * gate_up[..., I:] for gate_up [..., 2I]; a new contiguous [..., I]."""
-    width = gate_up.shape[-1]
-    assert width % 2 == 0
-    inter = width // 2
-    out = torch.empty((*gate_up.shape[:-1], inter), dtype=gate_up.dtype, device=gate_up.device)
-    rows = out.numel() // inter if inter else 0
-    if rows == 0:
-        return out
-    x = _unit_stride_last(gate_up).reshape(-1, width)
-    block = min(GELU_BLOCK, triton.next_power_of_2(inter))
-    _gelu_tanh_and_mul_kernel[(rows, triton.cdiv(inter, block))](
-        x, out, x.stride(0), inter, BLOCK=block, num_warps=4 if block >= 512 else 1, **pdl(x)
-    )
-    return out
+    return _act_and_mul(gate_up, gelu_tanh=True)
