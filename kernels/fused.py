@@ -2,8 +2,9 @@
 SiLU- and tanh-GELU-and-mul.
 
 Twins: `reference.rms_norm`, `fused_add_rms_norm`, `rotary`, `silu_and_mul`, `gelu_tanh_and_mul`.
-In eager torch each of these is a chain of small kernels (the fp32 RMSNorm alone is six); at batch-1 decode their launches
-cost a third as much as the layer's GEMMs, so each becomes one launch here.
+In eager torch each of these is a chain of small kernels (the fp32 RMSNorm alone is six); at
+batch-1 decode their launches cost a third as much as the layer's GEMMs, so each becomes one
+launch here.
 
 Rounding follows the twins' op boundaries: wherever torch materialises an intermediate tensor in the
 input dtype, the kernel rounds to that dtype too (every op computed in fp32, then rounded: what

@@ -386,12 +386,15 @@ def varlen_attention(
 # ---- a decoder layer's elementwise glue: each computed exactly as the models' eager code did ----
 
 
+def _normed_float32(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dim, in float32: the step every RMSNorm order shares."""
+    x32 = x.float()
+    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMS norm of the last dim in float32, cast back to x's dtype before the weight multiplies it."""
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
+    return weight * _normed_float32(x, eps).to(x.dtype)
 
 
 def fused_add_rms_norm(
@@ -405,17 +408,13 @@ def fused_add_rms_norm(
 def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Gemma's RMSNorm: x / rms(x) * (1 + weight), all in float32, cast back (Llama casts before
     it scales)."""
-    x32 = x.float()
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return (normed * (1.0 + weight.float())).type_as(x)
+    return (_normed_float32(x, eps) * (1.0 + weight.float())).type_as(x)
 
 
 def float_scaled_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm scaled by the weight in float32, then cast back (OLMo's and others' in transformers;
     Llama casts before it scales)."""
-    x32 = x.float()
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight * normed).to(x.dtype)
+    return (weight * _normed_float32(x, eps)).to(x.dtype)
 
 
 def gemma_norm_add(

@@ -72,8 +72,8 @@ def _launch(x, residual, weight, next_weight, eps, out, next_out, offset: float)
     _scaled_norm_kernel[(rows,)](
         xr, residual if residual is not None else out, weight, next_weight if next_weight is not None else weight,
         out, next_out if next_out is not None else out, inner, sxo, sxi, n, eps,
-        OFFSET=offset, ADD=residual is not None, NEXT=next_weight is not None, BLOCK_N=block_n, num_warps=_norm_warps(block_n),
-        **pdl(x),
+        OFFSET=offset, ADD=residual is not None, NEXT=next_weight is not None, BLOCK_N=block_n,
+        num_warps=_norm_warps(block_n), **pdl(x),
     )  # fmt: skip
 
 

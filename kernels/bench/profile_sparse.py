@@ -88,8 +88,8 @@ def stages(n: int, iters: int, sweep: bool) -> dict[str, float]:
 
 
 def tail_stages(q, k, v, index, scale: float, t) -> dict[str, float]:
-    """The tail (`"tail": true`) stage by stage: the key blocks' summaries (torch, KV group by
-    group), the block-mean queries, the streaming kernel, the whole tail, and pass 2 folding it."""
+    """The tail (`"tail": true`) stage by stage: the key blocks' summaries (torch, all heads at
+    once), the block-mean queries, the streaming kernel, the whole tail, and pass 2 folding it."""
     tail = tail_kernel.skipped_tail_triton(q, k, v, index, scale)
     return {
         "tail: key block summaries": t(lambda: tail_kernel.stacked_summaries(k, v, index, spread=False)),

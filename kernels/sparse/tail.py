@@ -52,10 +52,10 @@ class Tail:
 class BlockSummaries:
     """Per query head, each key block's keys less the head's columns, summarised."""
 
-    key: torch.Tensor  # float32 [G, Q, d]: their mean key
-    value: torch.Tensor  # float32 [G, Q, d]: their mean value
-    log_count: torch.Tensor  # float32 [G, Q]: log of how many they are; -inf where none
-    spread: torch.Tensor | None  # float32 [G, Q]: their keys' per-dimension variance (with spread)
+    key: torch.Tensor  # float32 [H, Q, d]: their mean key
+    value: torch.Tensor  # float32 [H, Q, d]: their mean value
+    log_count: torch.Tensor  # float32 [H, Q]: log of how many they are; -inf where none
+    spread: torch.Tensor | None  # float32 [H, Q]: their keys' per-dimension variance (with spread)
 
 
 def squared_norms(x: torch.Tensor) -> torch.Tensor:

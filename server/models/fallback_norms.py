@@ -4,10 +4,11 @@ transformers writes an RMSNorm class per architecture, in one of a few orders: L
 normed row before scaling it, OLMo's scales in float32 and then casts, Gemma's scales by 1 + weight
 in float32. In eager torch each is six or seven small kernels; at batch-1 decode of OLMo-2-7B's
 shape on an H200 (four norms a layer, its query and key norms included) elementwise and reduce
-kernels took ~30% of the fallback's step, these among them. A norm module is replaced only when one of the kernels' twins gives its output
-bit for bit on a probe (rows of very different scales, in the model's dtype, on its device); on
-the CPU the replacement then computes exactly what the module did, on CUDA the Triton kernel
-(within the kernels' usual rounding of the mean). Anything else stays as transformers wrote it.
+kernels took ~30% of the fallback's step, these among them. A norm module is replaced only when
+one of the kernels' twins gives its output bit for bit on a probe (rows of very different
+scales, in the model's dtype, on its device); on the CPU the replacement then computes exactly
+what the module did, on CUDA the Triton kernel (within the kernels' usual rounding of the mean).
+Anything else stays as transformers wrote it.
 """
 
 from __future__ import annotations
