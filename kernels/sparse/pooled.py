@@ -193,12 +193,12 @@ def _e4m3_keys(key: torch.Tensor) -> torch.Tensor:
 
 
 def _range_rows(
-    query: torch.Tensor, key: torch.Tensor, heads: torch.Tensor, block: int
+    query: torch.Tensor, key: torch.Tensor, heads: slice | torch.Tensor, block: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The listed heads' range midpoints and half-widths (`estimate.range_rows`), [S * Q, d] each,
     with float32 row scales [S * Q]: e4m3 rows from 16-bit inputs (`fp8_products`), the inputs'
     dtype and scales of one otherwise."""
-    mid, radius = (x.index_select(0, heads).reshape(-1, query.shape[-1]) for x in range_rows(query, block))
+    mid, radius = (x[heads].reshape(-1, query.shape[-1]) for x in range_rows(query, block))
     if fp8_products(key):
         (mid, mid_scale), (radius, radius_scale) = quantize_rows_fast(mid), quantize_rows_fast(radius)
         return mid, radius, mid_scale.reshape(-1).contiguous(), radius_scale.reshape(-1).contiguous()
@@ -232,7 +232,8 @@ def rescue_blocks_triton(
             if fp8_products(key)
             else qm.to(key.dtype).contiguous()
         )
-        ql, qm_scale, ql_scale = qm, at, at  # unread
+        unread = torch.empty(1, dtype=torch.float32, device=device)
+        ql, qm_scale, ql_scale = qm, unread, unread  # the range's operands, unread here
     if fp8_products(key):
         key = _e4m3_keys(key)
     cover8 = cover.to(torch.int8).contiguous()
