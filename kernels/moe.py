@@ -31,7 +31,10 @@ from tgserve.kernels.triton_common import dot_precision, interpreting
 # many bytes are in flight, so its tiles are `kernels/bench/bench_moe.py`'s to choose.
 SMALL_BLOCK_M, LARGE_BLOCK_M = 16, 64
 LAUNCH = {"block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3}
-DECODE_LAUNCH = dict(LAUNCH)
+# Decode: narrower, deeper tiles (more programs, more bytes in flight); on an H100 0.88-0.93x
+# the prompt's tiles' time for Qwen3-30B-A3B, Mixtral and gpt-oss at batch 1
+# (docs/benchmarks/2026-12-05-glue-and-moe-tiles-h100.md).
+DECODE_LAUNCH = {"block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 3}
 
 
 def block_rows(assignments: int, num_experts: int) -> int:

@@ -43,6 +43,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--families", nargs="*", default=list(FAMILIES))
+    parser.add_argument("--top", type=int, default=5, help="how many of the fastest tiles to print")
     args = parser.parse_args()
     default = dict(moe.DECODE_LAUNCH)
     print("| family | expert bytes a token (MB) | launch | us | GB/s |\n|---|---|---|---|---|")
@@ -66,7 +67,7 @@ def main() -> None:
         moe.DECODE_LAUNCH.update(default)
         rows.sort(key=lambda r: r[0])
         base = next(us for us, launch in rows if launch == default)
-        for us, launch in [(base, default)] + [r for r in rows if r[1] != default][:5]:
+        for us, launch in [(base, default)] + [r for r in rows if r[1] != default][: args.top]:
             tag = "default" if launch == default else launch
             print(f"| {name} | {active / 1e6:.1f} | {tag} | {us:.1f} | {active / us / 1e3:.0f} |")
         print(f"| {name} | | best / default | {rows[0][0] / base:.2f}x | |", flush=True)
