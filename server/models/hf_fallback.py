@@ -21,6 +21,7 @@ from torch import nn
 
 from tgserve.server.attention.forward_context import get_forward_context, paged_attention
 from tgserve.server.loading.hf_compat import dtype_kwargs
+from tgserve.server.models.fallback_linears import swap_in_kernel_linears
 from tgserve.server.models.fallback_norms import swap_in_kernel_norms
 from tgserve.server.models.paged_cache_adapter import PagedCacheAdapter, packed_context_mask
 from tgserve.server.models.recompute_fallback import RecomputingFallbackModel, is_recomputed
@@ -165,6 +166,7 @@ def load_fallback_model(
     refuse_unsupported_attention(hf_model, device)
     hf_model = hf_model.to(device).eval()
     swap_in_kernel_norms(hf_model, dtype)
+    swap_in_kernel_linears(hf_model)
     if not supports_attention_interface(type(hf_model)) and is_recomputed(type(hf_model), config.model_type):
         return RecomputingFallbackModel(hf_model)
     return TransformersFallbackModel(hf_model)
