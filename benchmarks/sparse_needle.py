@@ -26,8 +26,13 @@ from tgserve.kernels.sparse.attention import sparse_prefill
 from tgserve.kernels.sparse.config import HeadPattern
 from tgserve.server.testing.needle import needle_prompt, placements
 
-SCALED_DOWN = {"vertical": 64, "slash": 384, "sink": 64, "local": 128, "rescue": 2}
-METHODS = {"sparse": SCALED_DOWN, "sparse + tail": SCALED_DOWN | {"tail": True}}
+# The default pattern's budgets scaled to a 128K prompt's share of keys; its rescue split as is.
+SCALED_DOWN = {"vertical": 64, "slash": 384, "sink": 64, "local": 128}
+METHODS = {
+    "sparse": SCALED_DOWN,
+    "sparse, rescue by the mean": SCALED_DOWN | {"rescue": 2, "rescue_range": 0},  # the default before
+    "sparse + tail": SCALED_DOWN | {"tail": True},
+}
 
 
 def load_model(device: str, pattern_of: dict):
@@ -68,11 +73,13 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=0, help="leave out the first N placements (resume a run)")
     parser.add_argument("--haystack-tokens", type=int, default=7000)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--methods", nargs="+", choices=["dense", *METHODS], default=["dense", *METHODS])
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     pattern_of: dict = {"pattern": None}
     model, tokenizer = load_model(args.device, pattern_of)
-    methods = {"dense": None} | {name: HeadPattern(**fields) for name, fields in METHODS.items()}
+    every = {"dense": None} | {name: HeadPattern(**fields) for name, fields in METHODS.items()}
+    methods = {name: every[name] for name in args.methods}
     rows = []
     for placement in placements(args.placements)[args.skip :]:
         prompt = torch.tensor([needle_prompt(tokenizer, placement, args.haystack_tokens)], device=args.device)
@@ -91,7 +98,7 @@ def main() -> None:
         rows.append(row)
         print(json.dumps({k: (v["found"] if isinstance(v, dict) else v) for k, v in row.items()}), flush=True)
     found = {name: sum(r[name]["found"] for r in rows) for name in methods}
-    dense_found = [r for r in rows if r["dense"]["found"]]
+    dense_found = [r for r in rows if "dense" in r and r["dense"]["found"]]
     kept = {name: sum(r[name]["found"] for r in dense_found) for name in methods}
     lines = ["| method | found | of dense's finds kept |", "|---|---|---|"]
     lines += [f"| {name} | {found[name]}/{len(rows)} | {kept[name]}/{len(dense_found)} |" for name in methods]

@@ -331,7 +331,7 @@ def _sparse_one(
     """Sparse attention of one prompt, written into out (no [n, heads, d] temporary to copy)."""
     from tgserve.kernels.sparse.attention import sparse_prefill
 
-    patterns = config.head_patterns(layer, query.shape[1])
+    patterns = config.head_patterns(layer, query.shape[1], seq_len=query.shape[0])
     sparse_prefill(query, key, value, scale, patterns, config.block, config.last_q, use_triton=use_triton(query),
                    out=out)  # fmt: skip
 

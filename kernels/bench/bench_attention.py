@@ -126,7 +126,7 @@ def _sparse_setup(n: int, pattern: dict | None = None):
     from tgserve.kernels.sparse.tail_kernel import skipped_tail_triton
 
     config = parse_sparse_config({"default": pattern}) if pattern else SparseConfig()
-    patterns = config.head_patterns(0, HEADS)
+    patterns = config.head_patterns(0, HEADS, seq_len=n)
     p = planted_prompt(n, HEADS, KV_HEADS, DIM, seed=0, dtype=DTYPE, device="cuda")
 
     def estimate():

@@ -2,7 +2,7 @@
 
     python kernels/bench/profile_sparse.py --n 131072 524288 --sweep 131072
 
-Default pattern (vertical-slash 1000/6096, rescue 2) on every head of a planted prompt, batch 1,
+Default pattern (vertical-slash 1000/6096, rescue 3 with 1 by the range) on every head of a planted prompt, batch 1,
 32 query heads, 8 KV heads, head_dim 128, bf16. Prints one line per stage (median ms) and, at the
 --sweep lengths, the time of each kernel under a few (block, warps, stages) launch settings.
 """
@@ -46,16 +46,18 @@ def stages(n: int, iters: int, sweep: bool) -> dict[str, float]:
     cover = estimate.top_diagonals(diagonal, budget, forced)
     row["top_diagonals"] = t(lambda: estimate.top_diagonals(diagonal, budget, forced))
     row["block_means"] = t(lambda: estimate.block_means(q, block))
-    rescue = [pat.rescue] * HEADS
+    rescue = [pat.rescue - pat.rescue_range] * HEADS
     picks = pooled.rescue_blocks_triton(q, k, heads, block, cover, None, cols, rescue)
     row["rescue"] = t(lambda: pooled.rescue_blocks_triton(q, k, heads, block, cover, None, cols, rescue))
-    one = [1] * HEADS
-    row["rescue by range, one block"] = t(
-        lambda: pooled.rescue_blocks_triton(q, k, heads, block, cover, picks, cols, one, query_range=True)
+    by_range = [max(1, pat.rescue_range)] * HEADS
+    row["rescue by range"] = t(
+        lambda: pooled.rescue_blocks_triton(
+            q, k, heads, block, cover, picks, cols, by_range, query_range=True
+        )
     )
     blocks = estimate.share_neighbours(picks)
     row["build_index"] = t(lambda: build_index(n, block, cover, blocks, cols))
-    patterns = [pat] * HEADS
+    patterns = config.head_patterns(0, HEADS, seq_len=n)  # past range_max_len: no range blocks
     index = estimate_index(q, k, scale, patterns, block, config.last_q, use_triton=True)
     row["estimate_total"] = t(
         lambda: estimate_index(q, k, scale, patterns, block, config.last_q, use_triton=True)

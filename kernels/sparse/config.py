@@ -4,7 +4,7 @@ Two JSON shapes are accepted:
 
 * tgserve's own::
 
-    {"block": 64, "last_q": 64, "min_seq_len": 32768,
+    {"block": 64, "last_q": 64, "min_seq_len": 32768, "range_max_len": 524288,
      "default": {"kind": "vertical_slash", "vertical": 1000, "slash": 6096},
      "layers": {"0": {"3": {"kind": "a_shape", "sink": 128, "local": 2048}}}}
 
@@ -38,10 +38,14 @@ class HeadPattern:
     rescue          (estimated kinds) extra key blocks per query block, chosen by the block-mean
                     query against every key, for keys salient only to queries far from the end
                     of the prompt, which last-query estimation cannot see.
-    rescue_range    of the rescue blocks, how many are chosen by the query block's range bound
-                    (the largest logit any of its queries can give a key: per coordinate its
-                    largest or smallest query value) after the others by its mean query: a key
-                    that only a few of the block's queries seek keeps its whole logit there.
+    rescue_range    of the rescue blocks, how many (at most all of them) are chosen by the query
+                    block's range bound (the largest logit any of its queries can give a key: per
+                    coordinate its largest or smallest query value) after the others by its mean
+                    query: a key that only a few of the block's queries seek keeps its whole
+                    logit there. The default, three with one by the range, is the split that
+                    kept every needle on five of six structured families without losing the far
+                    diagonals' mass that the mean-chosen blocks hold
+                    (docs/benchmarks/2026-12-05-rescue-splits-cpu.md).
     tail            also attend to the key blocks the pattern skips, each summarised by its mean
                     key and value, as one extra key per query block (`tail.py`): the attention
                     spread thinly over a long prompt, which no block choice holds.
@@ -53,8 +57,8 @@ class HeadPattern:
     sink: int = 64
     local: int = 128
     blocks: int = 100
-    rescue: int = 2
-    rescue_range: int = 0
+    rescue: int = 3
+    rescue_range: int = 1
     tail: bool = False
 
     def __post_init__(self) -> None:
@@ -65,8 +69,12 @@ class HeadPattern:
             < 0
         ):
             raise ValueError(f"negative budget in {self}")
-        if self.rescue_range > self.rescue:
-            raise ValueError(f"rescue_range {self.rescue_range} is more than the {self.rescue} rescue blocks")
+        # {"rescue": 0} means no rescue at all, whatever the default's share by the range.
+        object.__setattr__(self, "rescue_range", min(self.rescue_range, self.rescue))
+
+    def without_range(self) -> HeadPattern:
+        """The pattern less its blocks by the range (the mean-chosen ones kept)."""
+        return replace(self, rescue=self.rescue - self.rescue_range, rescue_range=0)
 
 
 DEFAULT_PATTERN = HeadPattern()
@@ -78,16 +86,24 @@ class SparseConfig:
 
     default: HeadPattern = DEFAULT_PATTERN
     layers: dict[int, dict[int, HeadPattern]] = field(default_factory=dict)
-    # Prompts shorter than this use dense attention (cuDNN). On an H200 with the default pattern,
-    # sparse (estimate included) beats cuDNN from 32K (1.1-1.4x) but not at 24K (0.7-0.9x).
+    # Prompts shorter than this use dense attention, chunked. In the engine (Llama-3-8B's shape,
+    # H100) a whole-prompt sparse step ties chunked dense at 32K and is 2.2-2.6x faster from 48K,
+    # though against one cuDNN call sparse is 0.9x at 32K (benchmarks/sparse_threshold_cuda.py).
     min_seq_len: int = 32768
     block: int = 64  # query/key block of the sparse kernel and of pooled estimation
     last_q: int = 64  # queries used to estimate vertical-slash indices
+    # Longer prompts drop their rescue blocks by the range: that pass costs 2.0-2.2x the mean
+    # one (H100, e4m3), ~7 s of a 1M-token prompt's ~35 s first token on an H200, against 14%
+    # of the sparse total at 128K and 38% at 512K.
+    range_max_len: int = 524288
 
-    def head_patterns(self, layer: int, num_heads: int) -> list[HeadPattern]:
-        """The pattern of every query head of one layer."""
+    def head_patterns(self, layer: int, num_heads: int, seq_len: int | None = None) -> list[HeadPattern]:
+        """The pattern of every query head of one layer (for a prompt of seq_len tokens)."""
         per_head = self.layers.get(layer, {})
-        return [per_head.get(h, per_head.get(-1, self.default)) for h in range(num_heads)]
+        patterns = [per_head.get(h, per_head.get(-1, self.default)) for h in range(num_heads)]
+        if seq_len is not None and seq_len > self.range_max_len:
+            return [p.without_range() if p.rescue_range else p for p in patterns]
+        return patterns
 
 
 def _pattern(entry: dict[str, Any], base: HeadPattern) -> HeadPattern:
@@ -126,7 +142,7 @@ def parse_sparse_config(data: dict[str, Any] | list[Any]) -> SparseConfig:
         layers[int(layer)] = {-1: layer_default} | {
             int(h): _pattern(entry, layer_default) for h, entry in heads.items() if h != "default"
         }
-    shared = {k: int(data[k]) for k in ("min_seq_len", "block", "last_q") if k in data}
+    shared = {k: int(data[k]) for k in ("min_seq_len", "block", "last_q", "range_max_len") if k in data}
     return SparseConfig(default=default, layers=layers, **shared)
 
 

@@ -15,7 +15,7 @@ from tgserve.kernels.sparse.config import HeadPattern
 from tgserve.kernels.sparse.synthetic import Planted, accuracy_run, needle_run
 
 SMALL = dict(n=2048, num_heads=4, num_kv_heads=1, head_dim=128, block=32, plant=Planted(period_frac=0.25),
-             pattern=HeadPattern(vertical=128, slash=256, rescue=2))  # fmt: skip
+             pattern=HeadPattern(vertical=128, slash=256))  # fmt: skip
 FULL = dict(n=32768, num_heads=8, num_kv_heads=2, head_dim=128, block=64, pattern=HeadPattern())
 
 

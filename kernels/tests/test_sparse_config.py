@@ -57,10 +57,36 @@ def test_minference_best_pattern_json():
         {"default": {"kind": "diagonal"}},
         {"default": {"vertcal": 3}},
         {"default": {"slash": -1}},
-        {"default": {"rescue": 1, "rescue_range": 2}},
         [{"0": ["x", 1, 1]}],
     ],
 )
 def test_bad_configs_are_rejected(data):
     with pytest.raises(ValueError):
         parse_sparse_config(data)
+
+
+def test_rescue_by_range_is_at_most_the_rescue_blocks():
+    """{"rescue": 0} means no rescue at all, the default's block by the range included."""
+    config = parse_sparse_config(
+        {"default": {"rescue": 0}, "layers": {"1": {"0": {"rescue": 1, "rescue_range": 2}}}}
+    )
+    assert (config.default.rescue, config.default.rescue_range) == (0, 0)
+    assert (config.head_patterns(1, 1)[0].rescue, config.head_patterns(1, 1)[0].rescue_range) == (1, 1)
+    assert (HeadPattern().rescue, HeadPattern().rescue_range) == (3, 1)
+
+
+def test_prompts_past_range_max_len_drop_their_blocks_by_the_range():
+    """Up to range_max_len a prompt keeps its patterns; past it each keeps only the rescue blocks
+    chosen by the mean (the range pass would cost ~7 s of a 1M-token prompt's first token)."""
+    config = parse_sparse_config(
+        {
+            "range_max_len": 1000,
+            "layers": {"0": {"1": {"kind": "block_sparse", "rescue": 4, "rescue_range": 2}}},
+        }
+    )
+    assert config.range_max_len == 1000
+    assert config.head_patterns(0, 2, seq_len=1000) == config.head_patterns(0, 2)
+    short, long = config.head_patterns(0, 2, seq_len=1000), config.head_patterns(0, 2, seq_len=1001)
+    assert [(p.rescue, p.rescue_range) for p in long] == [(2, 0), (2, 0)]
+    assert [p.kind for p in long] == [p.kind for p in short] == ["vertical_slash", "block_sparse"]
+    assert load_sparse_config(None).range_max_len == 524288

@@ -19,10 +19,10 @@ from tgserve.kernels.sparse.pooled import rescue_blocks_triton
 from tgserve.kernels.testing import max_abs_err
 
 ATOL = {torch.float32: 2e-5, torch.float16: 4e-3}
-MIXED = [
-    HeadPattern("vertical_slash", vertical=10, slash=40, sink=4, local=8, rescue=1),
+MIXED = [  # rescue blocks by the mean and by the range (the vertical-slash head), by the mean alone
+    HeadPattern("vertical_slash", vertical=10, slash=40, sink=4, local=8, rescue=2),
     HeadPattern("a_shape", sink=5, local=20),
-    HeadPattern("block_sparse", blocks=3, rescue=1),
+    HeadPattern("block_sparse", blocks=3, rescue=1, rescue_range=0),
     HeadPattern("dense"),
 ]
 
@@ -164,7 +164,9 @@ def test_rescue_keys_take_one_scale_a_kv_head():
         assert torch.equal(got[:, h].view(torch.uint8), want.view(torch.uint8))
 
 
-# Rescue blocks split between the mean and the range bound, and all by the range (no mean pass).
+# Rescue blocks all by the mean (no range pass); split between the mean and the range bound, and
+# all by the range (no mean pass).
+MEAN = [replace(MIXED[0], rescue=1, rescue_range=0), *MIXED[1:]]
 RANGED = [
     replace(MIXED[0], rescue=3, rescue_range=1),
     MIXED[1],
@@ -173,7 +175,7 @@ RANGED = [
 ]
 
 
-@pytest.mark.parametrize("mixed", [MIXED, RANGED], ids=["mean", "range"])
+@pytest.mark.parametrize("mixed", [MEAN, MIXED, RANGED], ids=["mean", "mixed", "range"])
 def test_triton_estimation_gives_the_torch_index(device, mixed):
     """The whole estimation, mixed per-head patterns: Triton and torch build the same mask."""
     n, block = 150, 16

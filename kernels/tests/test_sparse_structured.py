@@ -25,7 +25,7 @@ from tgserve.kernels.sparse.shifted_bands import (
 from tgserve.kernels.sparse.synthetic import STRUCTURES, Structure, structured_prompt
 
 SMALL = Structure(seekers=(16, 64), depths=(0.25, 0.75))
-PATTERN = HeadPattern(vertical=64, slash=256, sink=16, local=64, rescue=2)
+PATTERN = HeadPattern(vertical=64, slash=256, sink=16, local=64, rescue=2, rescue_range=0)  # both by the mean
 
 
 def _convert_one(

@@ -123,7 +123,7 @@ def search_model(
         if given is None:
             layers[layer] = search_layer(q, k, scale, budget, config.block, config.last_q)
         else:
-            patterns = given.head_patterns(layer, q.shape[1])
+            patterns = given.head_patterns(layer, q.shape[1], seq_len=q.shape[0])
             layers[layer] = evaluate_layer(q, k, scale, patterns, budget, config.block, config.last_q)
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
