@@ -39,6 +39,8 @@ SIZES: dict[str, Any] = {
     "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "shared_expert_intermediate_size": 64,
     "first_k_dense_replace": 1, "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8,
     "qk_nope_head_dim": 8, "v_head_dim": 16, "sliding_window": 16, "n_group": 1, "topk_group": 1,
+    # RoCBert's glyph-shape and pronunciation embeddings (25K and 910 ids, 512 and 768 wide by default).
+    "shape_embed_dim": 16, "shape_vocab_size": 64, "pronunciation_embed_dim": 16, "pronunciation_vocab_size": 64,
 }  # fmt: skip
 MULTIMODAL_PARTS = ("vision_config", "audio_config", "text_config", "speech_config", "encoder_config")
 
