@@ -67,6 +67,25 @@ def test_fresh_prefill_goes_sparse_only_above_the_threshold():
     assert torch.allclose(windowed, reference.varlen_attention(q, k, v, cu, 0.2, 50), atol=1e-6)
 
 
+def test_a_prompt_past_range_max_len_is_estimated_without_the_range_block():
+    """The engine's sparse step hands the prompt's length to the config: past range_max_len the
+    rescue block chosen by the range is dropped, up to it the pattern runs as written."""
+    gen = torch.Generator().manual_seed(4)
+    n = 200
+    q = torch.randn(n, 4, 32, generator=gen)
+    k, v = torch.randn(n, 2, 32, generator=gen), torch.randn(n, 2, 32, generator=gen)
+    cu, starts = torch.tensor([0, n], dtype=torch.int32), [0, n]
+    pattern = HeadPattern("vertical_slash", vertical=8, slash=32, sink=4, local=16, rescue=3, rescue_range=1)
+    outs = {}
+    for limit in (n, n - 1):
+        config = SparseConfig(default=pattern, min_seq_len=128, block=16, range_max_len=limit)
+        outs[limit] = dispatch.fresh_prefill(q, k, v, cu, starts, 0.2, sparse=config, layer=0)
+    with_range = sparse_prefill(q, k, v, 0.2, [pattern] * 4, block=16)
+    without = sparse_prefill(q, k, v, 0.2, [pattern.without_range()] * 4, block=16)
+    assert not torch.allclose(with_range, without, atol=1e-4), "the range block must matter here"
+    assert torch.allclose(outs[n], with_range, atol=1e-6) and torch.allclose(outs[n - 1], without, atol=1e-6)
+
+
 def test_skinny_path_takes_one_row_through_narrow_weights_only():
     """The measured rule: weights of at most 4096 output rows (o_proj, down) at batch 1; qkv,
     gate_up and two rows stay cuBLAS's. On CPU, dispatch.linear is F.linear whatever the shape."""
