@@ -36,6 +36,8 @@ SHAPES = {  # name: (N, K) of the weight
     "down": (4096, 14336),
     "o_proj tp2": (4096, 2048),
     "qkv tp2": (3072, 4096),
+    "phi-3 o_proj": (3072, 3072),
+    "phi-3 down": (3072, 8192),
 }
 SWEEP = [
     dict(BLOCK_N=n, BLOCK_K=k, num_warps=w)
