@@ -43,6 +43,23 @@ SIZES: dict[str, Any] = {
     "shape_embed_dim": 16, "shape_vocab_size": 64, "pronunciation_embed_dim": 16, "pronunciation_vocab_size": 64,
 }  # fmt: skip
 MULTIMODAL_PARTS = ("vision_config", "audio_config", "text_config", "speech_config", "encoder_config")
+_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+# Settings a model type's released checkpoints give and its config class's defaults do not, so that
+# transformers itself cannot build or run the default (the sweep's "untested" rows).
+CHECKPOINT_SETTINGS: dict[str, dict[str, Any]] = {
+    # A RoPE per layer type, as Cohere's other hybrid-window models give.
+    "cohere_compass_text": {"rope_parameters": {"full_attention": _ROPE, "sliding_attention": _ROPE}},
+    # DBRX's attention and expert configs, which the size names do not reach: KV heads, RoPE base
+    # and the query/key/value clip (8 in DBRX-Instruct); the experts' sizes, two of four a token.
+    "dbrx": {
+        "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        "ffn_config": {"hidden_size": 64, "ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2},
+    },
+    # Reformer's axial position embeddings: their two widths must sum to the hidden size.
+    "reformer": {"axial_pos_embds_dim": [16, 48]},
+    # LFM2-MoE's layer kinds: short convolutions among attention layers.
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+}
 
 
 @dataclass
@@ -191,7 +208,9 @@ class Refused(Exception):
 
 
 def run_one(model_type: str, architecture: str, workdir: Path, **overrides: Any) -> Row:
-    """Build (`tiny_config`, with `overrides`), save, generate both ways, compare (in this process)."""
+    """Build (`tiny_config`, with the type's checkpoint settings and `overrides`), save, generate
+    both ways, compare (in this process)."""
+    overrides = CHECKPOINT_SETTINGS.get(model_type, {}) | overrides
     import torch
     import transformers
 

@@ -139,6 +139,20 @@ def test_families_the_sweep_found_differing_now_give_transformers_tokens(tmp_pat
     assert row.status == "exact", row
 
 
+@pytest.mark.parametrize(
+    "model_type,architecture",
+    [
+        ("dbrx", "DbrxForCausalLM"),  # its attention and expert configs, which the size names miss
+        ("roc_bert", "RoCBertForCausalLM"),  # glyph-shape and pronunciation embeddings set small too
+    ],
+)
+def test_configs_the_size_names_missed_are_built_tiny_and_give_transformers_tokens(
+    tmp_path, model_type, architecture
+):
+    row = run_one(model_type, architecture, tmp_path)
+    assert row.status == "exact", row
+
+
 def test_a_draft_model_is_refused_by_name(tmp_path):
     """Gemma 4's assistant attends over its target model's keys and values (its default config does
     not even build at tiny sizes): refused as what it is."""
