@@ -1,4 +1,5 @@
-"""Fused decoder-layer glue (RMSNorm, residual add + RMSNorm, rotary, SiLU-and-mul) against the torch twins.
+"""Fused decoder-layer glue (RMSNorm, residual add + RMSNorm, rotary, SiLU- and tanh-GELU-and-mul) against
+the torch twins.
 
 Rotary rounds exactly where torch does, so it must match bit for bit; the norm's reduction order and
 exp's last bits may differ, so those compare within about one unit in the last place of the dtype.
@@ -178,24 +179,31 @@ def test_rotary_arbitrary_cos_sin(device):
     torch.testing.assert_close(got_k.cpu(), want_k, **EXACT)
 
 
-# ---- SiLU and mul ----
+# ---- gated activations: SiLU- and tanh-GELU-and-mul (one kernel, the activation a constexpr) ----
+
+# Per activation: the gate values that saturate it both ways (exp overflow must give silu = -0, x;
+# tanh saturates to -1, 1), and the seeds of the random rows and of the strided ones.
+GATES = {"silu": (80.0, 13, 14), "gelu_tanh": (40.0, 9, 10)}
 
 
+@pytest.mark.parametrize("gate", list(GATES))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens,inter", [(1, 96), (3, 2500), (17, 1000)])
-def test_silu_and_mul(device, dtype, tokens, inter):
-    gate_up = _randn(tokens, 2 * inter, dtype=dtype, seed=13, scale=3.0)
-    gate_up[0, :3] = torch.tensor([-80.0, 80.0, 0.0]).to(dtype)  # exp overflow must give silu = -0, x
-    got = _fused().silu_and_mul(gate_up.to(device)).cpu()
+def test_gated_activation_and_mul(device, gate, dtype, tokens, inter):
+    extreme, seed, _ = GATES[gate]
+    gate_up = _randn(tokens, 2 * inter, dtype=dtype, seed=seed, scale=3.0)
+    gate_up[0, :3] = torch.tensor([-extreme, extreme, 0.0]).to(dtype)
+    got = getattr(_fused(), f"{gate}_and_mul")(to_device(gate_up, device)).cpu()
     assert got.shape == (tokens, inter) and torch.isfinite(got).all()
-    torch.testing.assert_close(got, reference.silu_and_mul(gate_up), **TOL[dtype])
+    torch.testing.assert_close(got, getattr(reference, f"{gate}_and_mul")(gate_up), **TOL[dtype])
 
 
-def test_silu_and_mul_strided_rows(device):
-    wide = _randn(5, 3 * 200, dtype=torch.float16, seed=14)
+@pytest.mark.parametrize("gate", list(GATES))
+def test_gated_activation_and_mul_strided_rows(device, gate):
+    wide = _randn(5, 3 * 200, dtype=torch.float16, seed=GATES[gate][2])
     gate_up = wide[:, 100:500]  # token stride 600, not 400
-    got = _fused().silu_and_mul(to_device(gate_up, device)).cpu()
-    torch.testing.assert_close(got, reference.silu_and_mul(gate_up), **TOL[torch.float16])
+    got = getattr(_fused(), f"{gate}_and_mul")(to_device(gate_up, device)).cpu()
+    torch.testing.assert_close(got, getattr(reference, f"{gate}_and_mul")(gate_up), **TOL[torch.float16])
 
 
 def test_empty_batches(device):
@@ -207,6 +215,7 @@ def test_empty_batches(device):
     cos = torch.zeros(0, 1, 16, device=device)
     assert [t.shape for t in fused.rotary(q, k, cos, cos)] == [(0, 4, 16), (0, 2, 16)]
     assert fused.silu_and_mul(torch.zeros(0, 32, device=device)).shape == (0, 16)
+    assert fused.gelu_tanh_and_mul(torch.zeros(0, 32, device=device)).shape == (0, 16)
 
 
 def test_cpu_dispatch_is_the_twin():
