@@ -21,7 +21,8 @@ largest x positive part + smallest x negative part). That bounds the largest log
 the block gives the key, so a key that 16 of the 64 queries seek keeps its whole logit, where
 their mean holds a quarter of it. The two products are added, so each row keeps its scale. In
 bf16 products this pass cost 2.8x the mean's at 128K and 4.2x at 1M on an H200 (8.99 / 3.18 ms,
-453 / 109 ms); in e4m3, as below, predicted about twice the mean's (not yet measured).
+453 / 109 ms); in e4m3, as below, 2.0x at 128K and 2.2x at 512K on an H100 (6.11 / 3.07 ms,
+60.1 / 27.6 ms; 2026-12-05-glue-and-moe-tiles-h100.md).
 
 From 16-bit inputs the products are e4m3: each block-mean query scaled so its largest element is
 448 (`fp8_format.quantize_rows`), and each KV head's keys by one scale (`tensor_scale`), so that
