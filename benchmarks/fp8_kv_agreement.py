@@ -8,7 +8,7 @@ how far below its largest logit the engine's token lies (in logit units, and for
 logits' rounding steps). The model-dtype cache's own agreement is the scale of the near-ties the
 fp8 cache adds to.
 
-Run on a GPU: python benchmarks/fp8_kv_agreement.py --gguf PATH
+Run on a GPU: python benchmarks/fp8_kv_agreement.py --gguf PATH (--device cpu: the CPU backend)
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -33,27 +34,36 @@ from tgserve.server.testing.agreement import (
 )
 
 
+def load_reference(path: str, dtype: torch.dtype) -> torch.nn.Module:
+    """transformers' model from the GGUF file, or from a model directory (the tests' converted copy)."""
+    if Path(path).is_dir():
+        return AutoModelForCausalLM.from_pretrained(path, **dtype_kwargs(dtype))
+    folder, name = path.rsplit("/", 1)
+    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, **dtype_kwargs(dtype))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--gguf", required=True)
+    parser.add_argument("--gguf", required=True, help="the GGUF file, or a model directory")
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    parser.add_argument("--device", default="cuda", help="cuda, or cpu (the CPU backend's kernels)")
     args = parser.parse_args()
     rows = []
     for dtype in args.dtypes:
         runs = {}
         for kv in ("auto", "fp8"):
-            engine = LLMEngine(EngineArgs(model=args.gguf, dtype=dtype, max_num_seqs=32, device="cuda",
+            engine = LLMEngine(EngineArgs(model=args.gguf, dtype=dtype, max_num_seqs=32, device=args.device,
                                           kv_cache_dtype=kv))  # fmt: skip
             prompts = chat_prompts(engine.tokenizer)
             runs[kv] = engine_greedy(engine, prompts, args.steps)
             del engine
             gc.collect()
-            torch.cuda.empty_cache()
-        model = AutoModelForCausalLM.from_pretrained(args.gguf.rsplit("/", 1)[0], gguf_file=args.gguf.rsplit("/", 1)[1],
-                                                     **dtype_kwargs(getattr(torch, dtype))).cuda().eval()  # fmt: skip
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+        model = load_reference(args.gguf, getattr(torch, dtype)).to(args.device).eval()
         for kv, tokens in runs.items():
             with torch.no_grad():
                 logits = [whole_sequence_logits(model, p, t) for p, t in zip(prompts, tokens, strict=True)]
@@ -65,7 +75,8 @@ def main() -> None:
             print(json.dumps(row), flush=True)
         del model
         gc.collect()
-        torch.cuda.empty_cache()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
     print("| model dtype | KV cache | steps agreeing | largest gap, logits | largest gap, rounding steps |")
     print("|---|---|---|---|---|")
     for r in rows:
