@@ -44,6 +44,9 @@ def _rescue(
     them) those the query block's range bound picks among the blocks still not held."""
     if use_triton:
         from tgserve.kernels.sparse.pooled import rescue_blocks_triton as rescue_of
+        from tgserve.kernels.sparse.pooled import rescue_keys
+
+        key = rescue_keys(key)  # quantized once for both launches
     else:
 
         def rescue_of(*args, query_range=False):

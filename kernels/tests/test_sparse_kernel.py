@@ -164,6 +164,22 @@ def test_rescue_keys_take_one_scale_a_kv_head():
         assert torch.equal(got[:, h].view(torch.uint8), want.view(torch.uint8))
 
 
+@pytest.mark.parametrize("query_range", [False, True])
+def test_a_rescue_launch_takes_keys_quantized_once(device, query_range):
+    """The keys quantized ahead (`rescue_keys`, shared by the launches by the mean and by the
+    range) give the same blocks as 16-bit keys quantized by the launch itself."""
+    from tgserve.kernels.sparse.pooled import rescue_keys
+
+    n, block, heads = 150, 16, [0, 2, 3]
+    q, k, _ = _qkv(n, 4, 2, 32, torch.float16, seed=11)
+    q, k = q.to(device), k.to(device)
+    cover = (torch.rand(3, -(-n // block), generator=torch.Generator().manual_seed(2)) < 0.3).to(device)
+    each = rescue_blocks_triton(q, k, heads, block, cover, None, None, [2, 1, 3], query_range)
+    shared = rescue_blocks_triton(q, rescue_keys(k), heads, block, cover, None, None, [2, 1, 3], query_range)
+    assert rescue_keys(k).dtype == torch.float8_e4m3fn
+    assert torch.equal(each, shared)
+
+
 # Rescue blocks all by the mean (no range pass); split between the mean and the range bound, and
 # all by the range (no mean pass).
 MEAN = [replace(MIXED[0], rescue=1, rescue_range=0), *MIXED[1:]]
