@@ -1,5 +1,5 @@
-"""How often SmolLM2's greedy steps with an fp8 KV cache agree with the model's own-dtype cache
-(issue 34, fp8 KV acceptance), on the GPU's kernels.
+"""How often SmolLM2's greedy steps with an 8-bit KV cache (fp8, or int8) agree with the model's
+own-dtype cache (issue 34, fp8 KV acceptance), on the GPU's kernels or the CPU's.
 
 32 chat prompts x 32 greedy steps (tgserve.server.testing.agreement), the engine once per KV cache
 dtype and model dtype, each run's tokens teacher-forced into transformers in the model's dtype
@@ -50,11 +50,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     parser.add_argument("--device", default="cuda", help="cuda, or cpu (the CPU backend's kernels)")
+    parser.add_argument("--kv-cache-dtypes", nargs="+", default=["auto", "fp8"], help="auto, fp8, int8")
     args = parser.parse_args()
     rows = []
     for dtype in args.dtypes:
         runs = {}
-        for kv in ("auto", "fp8"):
+        for kv in args.kv_cache_dtypes:
             engine = LLMEngine(EngineArgs(model=args.gguf, dtype=dtype, max_num_seqs=32, device=args.device,
                                           kv_cache_dtype=kv))  # fmt: skip
             prompts = chat_prompts(engine.tokenizer)

@@ -41,18 +41,3 @@ def dequantized_product(
     """The CPU's product, bf16 [M, N]: the e4m3 products are exact in float32, summed there, then scaled.
     (torch's CPU `_scaled_mm` took per-tensor scales only in 2.11; row-wise ones from 2.13.)"""
     return ((x_q.float() @ weight.float().t()) * x_scale * weight_scale.t()).to(torch.bfloat16)
-
-
-# ---- the fp8 KV cache: e4m3 values with one float32 scale per (token, KV head), set at write ----
-
-
-def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp8 [T, H, D], float32 scale [T, H]) of keys or values x [T, H, D]: each head's row scaled
-    so its largest magnitude is 448, as `quantize_rows` scales a row."""
-    q, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
-    return q.view(x.shape), scale.view(x.shape[:-1])
-
-
-def dequantize_kv(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """float32 [..., D]: fp8 keys or values [..., D] times their scales [...]."""
-    return q.float() * scale[..., None]

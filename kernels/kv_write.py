@@ -1,9 +1,9 @@
 """Triton kernel: write a step's keys and values into the paged KV cache by slot mapping.
 
 Twin: `reference.write_kv`. One program per token copies all of its KV heads; slot -1 (padding,
-or a prefix-cache hit whose KV is already stored) is skipped without touching memory. Into an fp8
-cache, each head's row is quantized on the way (`triton_common.e4m3_rows`) and its scale stored
-beside it, in the pool's scale tensor.
+or a prefix-cache hit whose KV is already stored) is skipped without touching memory. Into an 8-bit
+cache (e4m3 or int8, `kv_format`), each head's row is quantized on the way
+(`triton_common.scaled_kv_rows`) and its scale stored beside it, in the pool's scale tensor.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tgserve.kernels.triton_common import e4m3_rows, pdl, wait_for_inputs
+from tgserve.kernels.triton_common import pdl, scaled_kv_rows, wait_for_inputs
 
 
 @triton.jit
@@ -59,8 +59,8 @@ def _write_kv_kernel(
         )
         if SCALED:  # the scales are [2, num_blocks, num_kv_heads, block_size], contiguous
             scale_dst = scale_ptr + (block * num_kv_heads + heads) * BLOCK_SIZE + offset
-            k, k_scale = e4m3_rows(k.to(tl.float32))
-            v, v_scale = e4m3_rows(v.to(tl.float32))
+            k, k_scale = scaled_kv_rows(k.to(tl.float32), cache_ptr.dtype.element_ty)
+            v, v_scale = scaled_kv_rows(v.to(tl.float32), cache_ptr.dtype.element_ty)
             tl.store(scale_dst, k_scale, mask=heads < num_kv_heads)
             tl.store(scale_dst + stride_s_kv, v_scale, mask=heads < num_kv_heads)
         tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
@@ -75,8 +75,8 @@ def write_kv(
     kv_scale: torch.Tensor | None = None,
 ) -> None:
     """Store key/value [num_tokens, num_kv_heads, head_dim] at their slots of kv_cache (in place);
-    with kv_scale [2, num_blocks, num_kv_heads, block_size] (contiguous), kv_cache is fp8 and each
-    row's scale goes there."""
+    with kv_scale [2, num_blocks, num_kv_heads, block_size] (contiguous), kv_cache is 8-bit (e4m3
+    or int8) and each row's scale goes there."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return

@@ -26,11 +26,11 @@ from tgserve.kernels.triton_common import (
     attend_tile,
     block_address,
     dot_precision,
-    e4m3_rows,
     fold_sink,
     interpreting,
     pdl,
     pow2,
+    scaled_kv_rows,
     wait_for_inputs,
 )
 
@@ -335,7 +335,7 @@ def _store_step_kv(new_k_ptr, new_v_ptr, slot_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
     their own: the program whose context range holds the query's position stores them and then
     reads them back with its tiles; no other program reads that position. Slot -1 (padding) is
     skipped. The barrier puts every thread's store before any thread's load of the same row (a CTA
-    barrier orders global memory within the block). Into an fp8 cache the rows are quantized as
+    barrier orders global memory within the block). Into an 8-bit cache the rows are quantized as
     `kv_write` quantizes them, their scales stored beside them. With SUMMARY, the key is folded into
     its block's minimum and maximum (`reference.update_key_summaries`): a block's first slot
     starts them over."""
@@ -359,8 +359,8 @@ def _store_step_kv(new_k_ptr, new_v_ptr, slot_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
             tl.store(at, low, mask=dim_ok)
             tl.store(at + stride_sum_side, high, mask=dim_ok)
         if SCALED:
-            k_rows, k_scale = e4m3_rows(k.to(tl.float32)[None, :])
-            v_rows, v_scale = e4m3_rows(v.to(tl.float32)[None, :])
+            k_rows, k_scale = scaled_kv_rows(k.to(tl.float32)[None, :], k_ptr.dtype.element_ty)
+            v_rows, v_scale = scaled_kv_rows(v.to(tl.float32)[None, :], v_ptr.dtype.element_ty)
             one = tl.arange(0, 1)
             scale_at = ((slot // BLOCK_SIZE) * num_kv_heads + kv_head) * BLOCK_SIZE + slot % BLOCK_SIZE
             tl.store(ks_ptr + scale_at + one, k_scale)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from tgserve.kernels.fp8_format import dequantize_kv, quantize_kv
+from tgserve.kernels.kv_format import dequantize_kv, quantize_kv
 
 
 def write_kv(
@@ -32,8 +32,9 @@ def write_kv(
 ) -> None:
     """Store each token's key and value at its slot of the paged cache; slot -1 is skipped.
 
-    kv_scale [2, num_blocks, num_kv_heads, block_size] float32: the cache is fp8, and each (token,
-    KV head) row is stored scaled by its own scale, written beside it (`fp8_format.quantize_kv`)."""
+    kv_scale [2, num_blocks, num_kv_heads, block_size] float32: the cache is 8-bit (e4m3 or
+    int8), and each (token, KV head) row is stored scaled by its own scale, written beside it
+    (`kv_format.quantize_kv`)."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
@@ -43,7 +44,7 @@ def write_kv(
         return
     block_size = kv_cache.shape[2]
     for i, x in enumerate((key, value)):
-        q, scale = quantize_kv(x[keep])
+        q, scale = quantize_kv(x[keep], kv_cache.dtype)
         # Copied as bytes: torch's CPU indexing ops do not take float8 tensors.
         flat[i].view(torch.uint8).index_copy_(0, slots, q.view(torch.uint8))
         kv_scale[i][slots // block_size, :, slots % block_size] = scale
@@ -93,7 +94,7 @@ def gather_kv(
     host: tuple[torch.Tensor, torch.Tensor | None, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The first `length` keys and values of one sequence, each [length, num_kv_heads, head_dim]:
-    in the cache's dtype, or from an fp8 cache (kv_scale given) dequantized to float32. With
+    in the cache's dtype, or from an 8-bit cache (kv_scale given) dequantized to float32. With
     `host`, table entries past the pool's blocks name host blocks (`with_host_blocks`)."""
     if host is not None:
         kv_cache, kv_scale = with_host_blocks(kv_cache, kv_scale, host)
@@ -300,7 +301,7 @@ def paged_attention(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Variable-length attention over the paged cache: prefill chunks, prefix hits and decode alike
-    (an fp8 cache with kv_scale: its keys and values dequantized, as `gather_kv` gives them; with
+    (an 8-bit cache with kv_scale: its keys and values dequantized, as `gather_kv` gives them; with
     `host`, host blocks read as `gather_kv` reads them; sinks: as `masked_attention` takes them)."""
     out = torch.zeros_like(query)
     starts = query_start_loc.tolist()

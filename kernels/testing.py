@@ -7,7 +7,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from tgserve.kernels import reference
-from tgserve.kernels.fp8_format import quantize_kv
+from tgserve.kernels.fp8_format import FP8
+from tgserve.kernels.kv_format import quantize_kv
 
 
 @dataclass
@@ -77,13 +78,13 @@ def make_paged_batch(
     )
 
 
-def with_fp8_cache(batch: PagedBatch) -> PagedBatch:
-    """The batch with its cache quantized as the fp8 pool stores it: e4m3 values and one float32
-    scale a (token, KV head) row (`fp8_format.quantize_kv`). The unused entries' NaN poison carries
-    over (a NaN row gets a NaN scale)."""
+def with_fp8_cache(batch: PagedBatch, dtype: torch.dtype = FP8) -> PagedBatch:
+    """The batch with its cache quantized as an 8-bit pool stores it: e4m3 (or `dtype`, int8)
+    values and one float32 scale a (token, KV head) row (`kv_format.quantize_kv`). The unused
+    entries' NaN poison carries over (a NaN row gets a NaN scale)."""
     cache = batch.kv_cache
     rows = cache.reshape(-1, *cache.shape[-2:])
-    q, scale = quantize_kv(rows)
+    q, scale = quantize_kv(rows, dtype)
     scales = scale.view(cache.shape[:-1]).transpose(2, 3).contiguous()  # [2, blocks, heads, block_size]
     return replace(batch, kv_cache=q.view(cache.shape), kv_scale=scales)
 

@@ -21,6 +21,8 @@ LOG2E = 1.4426950408889634
 # fp8_format's constants, as Triton constants (the twins use the same float32 values).
 E4M3_MAX = tl.constexpr(448.0)
 INV_E4M3_MAX = tl.constexpr(1.0 / 448.0)
+INT8_MAX = tl.constexpr(127.0)  # kv_format's int8 constants
+INV_INT8_MAX = tl.constexpr(1.0 / 127.0)
 TINY_SCALE = tl.constexpr(1.1754943508222875e-38)
 MAGIC_RINT = tl.constexpr(12582912.0)  # 1.5 * 2^23: x + it - it rounds |x| < 2^22 to an integer, ties to even
 
@@ -40,6 +42,27 @@ def e4m3_rows(x):
     inverse_spacing = ((130 - exponent) << 23).to(tl.float32, bitcast=True)
     spacing = ((124 + exponent) << 23).to(tl.float32, bitcast=True)
     q = ((q * inverse_spacing + MAGIC_RINT) - MAGIC_RINT) * spacing
+    return q, scale
+
+
+@triton.jit
+def int8_rows(x):
+    """x [R, D] float32 -> (q [R, D] float32 integers in [-127, 127], scale [R]): each row divided
+    by amax / 127 and rounded to the nearest integer, ties to even (`kv_format.quantize_kv`)."""
+    scale = tl.maximum(tl.max(tl.abs(x), 1), TINY_SCALE) * INV_INT8_MAX
+    q = tl.math.div_rn(x, scale[:, None])
+    q = (q + MAGIC_RINT) - MAGIC_RINT
+    return tl.minimum(tl.maximum(q, -INT8_MAX), INT8_MAX), scale
+
+
+@triton.jit
+def scaled_kv_rows(x, CACHE_TY: tl.constexpr):
+    """x [R, D] float32 as an 8-bit KV cache of element type CACHE_TY stores its rows (int8, else
+    e4m3): values on the format's grid in float32, to be cast to CACHE_TY exactly, and the scales."""
+    if CACHE_TY == tl.int8:
+        q, scale = int8_rows(x)
+    else:
+        q, scale = e4m3_rows(x)
     return q, scale
 
 

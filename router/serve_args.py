@@ -28,9 +28,9 @@ def parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
-# --kv-cache-dtype's names (vLLM's, and TGI's fp8_e4m3fn); the engine maps them to dtypes
+# --kv-cache-dtype's names (vLLM's, TGI's fp8_e4m3fn, and int8); the engine maps them to dtypes
 # (server/kv_cache/spec.py KV_CACHE_DTYPES), and a test keeps the two lists equal.
-KV_CACHE_DTYPE_NAMES = ("auto", "fp8", "fp8_e4m3", "fp8_e4m3fn")
+KV_CACHE_DTYPE_NAMES = ("auto", "fp8", "fp8_e4m3", "fp8_e4m3fn", "int8")
 
 
 def parse_kv_cache_dtype(text: str) -> str:
@@ -92,8 +92,8 @@ FLAGS: tuple[Flag, ...] = (
         "kv-cache-dtype",
         parse_kv_cache_dtype,
         "auto",
-        "What the KV cache stores: auto (the model's dtype) or fp8 (e4m3 with a scale per token and KV head: "
-        "twice the tokens of bf16; CUDA and the CPU)",
+        "What the KV cache stores: auto (the model's dtype), fp8 (e4m3) or int8, each with a scale per token "
+        "and KV head: twice the tokens of bf16, int8 the closer to it; CUDA and the CPU",
     ),
     Flag(
         "decode-attention-budget",

@@ -10,8 +10,8 @@ import torch
 
 from tgserve.kernels import reference
 from tgserve.kernels.block_scores import block_scores, candidate_scores
-from tgserve.kernels.fp8_format import dequantize_kv, quantize_kv
 from tgserve.kernels.host_fill import fill_from_host
+from tgserve.kernels.kv_format import dequantize_kv, quantize_kv
 from tgserve.kernels.paged_decode import paged_decode
 from tgserve.kernels.paged_prefill import paged_prefill
 from tgserve.kernels.testing import PagedBatch, make_paged_batch, with_fp8_cache

@@ -96,7 +96,7 @@ class AttentionBackend(ABC, Generic[Plan]):
     # its host lists): then a padded step can be replayed from a graph recorded for its shape.
     shape_only: bool = False
     # True when the backend writes and reads an fp8 KV cache (AttentionLayerParams.kv_scale).
-    reads_fp8_kv: bool = False
+    reads_scaled_kv: bool = False
     # True when the backend reads blocks spilled to the host tier where they lie
     # (AttentionLayerParams.host): requests whose context outgrows the pool may then spill.
     reads_host_blocks: bool = False

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from tgserve.kernels import dispatch
 from tgserve.kernels.decode_selection import DecodeSelection, chosen_mask, selected_lengths
-from tgserve.kernels.fp8_format import dequantize_kv
+from tgserve.kernels.kv_format import dequantize_kv
 from tgserve.kernels.reference import (
     causal_mask,
     gather_kv,
@@ -333,7 +333,7 @@ class CpuAttentionBackend(AttentionBackend[CpuStepPlan]):
     """Paged attention in torch: decoding sequences batched together, prefill chunks one at a time."""
 
     name = "cpu"
-    reads_fp8_kv = True
+    reads_scaled_kv = True
     reads_host_blocks = True
 
     def __init__(self, selection: DecodeSelection | None = None) -> None:

@@ -5,7 +5,7 @@ Each step takes one of three paths, decided once per step from host-side lengths
   CUDA graphs capture, so it reads only the metadata's device tensors and a fixed context bound.
 - fresh prompts: no sequence has anything cached; the keys and values of this step are the whole
   context, so dense (or, above the threshold, sparse) causal attention runs on them directly (in
-  the model's dtype: with an fp8 cache, only later steps read the prompt's keys quantized).
+  the model's dtype: with an 8-bit cache, only later steps read the prompt's keys quantized).
 - anything else (chunked prefill, prefix-cache hits, prefill beside decode): the varlen paged
   prefill kernel over every sequence's paged context.
 
@@ -137,7 +137,7 @@ class CudaAttentionBackend(AttentionBackend[CudaStepPlan]):
     """Paged attention with the Triton kernels; sparse prefill for prompts over the configured length."""
 
     name = "cuda"
-    reads_fp8_kv = True
+    reads_scaled_kv = True
     reads_host_blocks = True
 
     def __init__(self, sparse: SparseConfig | None = None, selection: DecodeSelection | None = None) -> None:

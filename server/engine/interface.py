@@ -27,7 +27,7 @@ class Engine(Protocol):
     tokenizer: Any  # the model's transformers tokenizer
     device: torch.device
     dtype: torch.dtype
-    kv_cache_dtype: torch.dtype  # what its KV cache stores (the model's dtype, or fp8)
+    kv_cache_dtype: torch.dtype  # what its KV cache stores (the model's dtype, e4m3 or int8)
     max_model_len: int
     max_pool_tokens: (
         int  # the most tokens one request's KV can take (the pool's, and any host tier's it spills to)

@@ -179,7 +179,7 @@ class LLMEngine:
         if len(prompt) + 1 > capacity:
             raise InvalidRequestError(
                 f"prompt has {len(prompt)} tokens but the KV cache holds at most {capacity} tokens "
-                f"({self.kv_cache_dtype_name}; --kv-cache-dtype fp8 holds about twice those of bf16)"
+                f"({self.kv_cache_dtype_name}; --kv-cache-dtype fp8 or int8 holds about twice those of bf16)"
             )
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:

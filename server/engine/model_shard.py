@@ -108,10 +108,10 @@ class ModelShard:
         if self.selection is not None:
             self.specs = with_key_summaries(self.specs, dtype)
         self.backend = attention_backend(device, self._sparse_config(), self.selection)
-        if self.specs[0].scaled and not self.backend.reads_fp8_kv:
+        if self.specs[0].scaled and not self.backend.reads_scaled_kv:
             raise ValueError(
                 f"--kv-cache-dtype {args.kv_cache_dtype}: the {self.backend.name} backend keeps its KV cache in the "
-                "model's dtype (an fp8 cache runs on cpu and cuda); use --kv-cache-dtype auto"
+                "model's dtype (an 8-bit cache runs on cpu and cuda); use --kv-cache-dtype auto"
             )
         self._check_host_tier(device)
         self.forward = ModelForward(model, self.backend, self.specs)

@@ -1,7 +1,7 @@
 """Host memory for the host KV tier (`core/host_tier.py` decides what goes where).
 
 One row of bytes a block: the block's slice of every block-indexed tensor of the pool (each layer's
-keys and values, an fp8 cache's scales, selective decode's key summaries), so that a block moves
+keys and values, an 8-bit cache's scales, selective decode's key summaries), so that a block moves
 between the device and host as one contiguous copy of ~1-2 MB at Llama-3-8B's shape, not as a
 copy per layer. On CUDA the rows are pinned: offloads are gathered on the compute stream (behind
 every step already queued there, so they copy what those steps wrote) and copied to host on a

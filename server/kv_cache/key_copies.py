@@ -17,7 +17,9 @@ offload: a spilling context's newest cold blocks are copied, and a host block wi
 rescored from host memory as before. No slot outlives its block's content: an offload into a host
 block replaces whatever copy that block had.
 
-Layouts (per layer with key summaries): keys [slots, block_size, num_kv_heads, head_dim] e4m3,
+An int8 cache's copies are its own int8 rows, as stored.
+
+Layouts (per layer with key summaries): keys [slots, block_size, num_kv_heads, head_dim] e4m3 (int8),
 scales [slots, num_kv_heads, block_size] float32; `slot_of` int32 [host blocks]: a host block's slot,
 or -1.
 """
@@ -28,14 +30,15 @@ from dataclasses import dataclass
 
 import torch
 
-from tgserve.kernels.fp8_format import FP8, quantize_kv
+from tgserve.kernels.fp8_format import FP8
+from tgserve.kernels.kv_format import SCALED_KV_DTYPES, quantize_kv
 
 
 @dataclass(frozen=True)
 class LayerKeyCopy:
     """One layer's copies, and the slot map every layer shares (`dispatch.select_decode_blocks`)."""
 
-    keys: torch.Tensor  # e4m3 [slots, block_size, num_kv_heads, head_dim]
+    keys: torch.Tensor  # e4m3 or int8 (`copy_dtype`) [slots, block_size, num_kv_heads, head_dim]
     scales: torch.Tensor  # float32 [slots, num_kv_heads, block_size]
     slot_of: torch.Tensor  # int32 [host blocks]: -1 where a host block has no copy
 
@@ -64,7 +67,9 @@ class HostKeyCopies:
         self.layers = []
         for cache, _ in layers:
             _, _, block_size, num_kv_heads, head_dim = cache.shape
-            keys = torch.zeros(slots, block_size, num_kv_heads, head_dim, dtype=FP8, device=device)
+            keys = torch.zeros(
+                slots, block_size, num_kv_heads, head_dim, dtype=copy_dtype(cache), device=device
+            )
             scales = torch.zeros(slots, num_kv_heads, block_size, dtype=torch.float32, device=device)
             self.layers.append(LayerKeyCopy(keys, scales, self.slot_of))
 
@@ -96,10 +101,10 @@ class HostKeyCopies:
 def _block_keys(
     cache: torch.Tensor, scale: torch.Tensor | None, ids: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blocks `ids`' keys in e4m3 [n, block_size, num_kv_heads, head_dim] and their scales [n,
-    num_kv_heads, block_size]: an fp8 cache's as stored, others quantized as the fp8 cache would."""
+    """Blocks `ids`' keys, 8-bit [n, block_size, num_kv_heads, head_dim], and their scales [n,
+    num_kv_heads, block_size]: an 8-bit cache's as stored, others quantized as the fp8 cache would."""
     if scale is not None:
-        keys = _rows(cache[0]).index_select(0, ids).view(FP8).view(len(ids), *cache.shape[2:])
+        keys = _rows(cache[0]).index_select(0, ids).view(cache.dtype).view(len(ids), *cache.shape[2:])
         return keys, scale[0].index_select(0, ids)
     n, (block_size, num_kv_heads, head_dim) = len(ids), cache.shape[2:]
     keys, scales = quantize_kv(cache[0].index_select(0, ids).reshape(n * block_size, num_kv_heads, head_dim))
@@ -111,3 +116,8 @@ def _block_keys(
 def _rows(tensor: torch.Tensor) -> torch.Tensor:
     """tensor [n, ...] as bytes [n, -1] (torch's CPU index ops take no float8 tensors)."""
     return tensor.reshape(tensor.shape[0], -1).view(torch.uint8) if tensor.dtype == FP8 else tensor.flatten(1)
+
+
+def copy_dtype(cache: torch.Tensor) -> torch.dtype:
+    """What a cache's key copies hold: an 8-bit cache's own format, e4m3 for any other."""
+    return cache.dtype if cache.dtype in SCALED_KV_DTYPES else FP8

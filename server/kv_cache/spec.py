@@ -6,12 +6,12 @@ block ids, and each attention layer reads and writes its own slice through the f
 A backend that cannot skip a write (slot -1) asks for scratch blocks at the end of the pool, beyond
 the blocks the block manager hands out (`AttentionBackend.scratch_blocks`, `scratch_slot`).
 
-An fp8 cache (`--kv-cache-dtype fp8`) stores e4m3 values and, beside them, one float32 scale per
-(token, KV head) row, set when the row is written: [2, num_blocks, num_kv_heads, block_size]
-(`kernels/fp8_format.quantize_kv`). A scale per row needs no calibration and never saturates; it
-costs 4 bytes a head_dim-long row (3% at 128). A KV head's scales of a block are contiguous, so a
-kernel reading a tile of one head's keys loads their scales as one run, not one 4-byte word per
-32-byte sector.
+An 8-bit cache (`--kv-cache-dtype fp8`: e4m3 values; `int8`: integers) stores, beside its values,
+one float32 scale per (token, KV head) row, set when the row is written: [2, num_blocks,
+num_kv_heads, block_size] (`kernels/kv_format.quantize_kv`). A scale per row needs no calibration
+and never saturates; it costs 4 bytes a head_dim-long row (3% at 128). A KV head's scales of a
+block are contiguous, so a kernel reading a tile of one head's keys loads their scales as one run,
+not one 4-byte word per 32-byte sector.
 
 Where decode attention selects blocks (`--decode-attention-budget`), each full-attention layer also
 keeps a key summary per block: the channel-wise minimum and maximum of its keys, in the model's
@@ -26,11 +26,12 @@ from typing import Any
 import torch
 
 from tgserve.kernels.fp8_format import FP8
+from tgserve.kernels.kv_format import INT8, SCALED_KV_DTYPES
 from tgserve.server.distributed.tensor_parallel import split_evenly
 
-# --kv-cache-dtype: vLLM's names, and TGI's fp8_e4m3fn. "auto" keeps the model's dtype; fp8 is e4m3
-# (OCP's fn variant). The router's flag lists the same names (router/serve_args.py).
-KV_CACHE_DTYPES = {"auto": None, "fp8": FP8, "fp8_e4m3": FP8, "fp8_e4m3fn": FP8}
+# --kv-cache-dtype: vLLM's names, TGI's fp8_e4m3fn, and int8. "auto" keeps the model's dtype; fp8 is
+# e4m3 (OCP's fn variant). The router's flag lists the same names (router/serve_args.py).
+KV_CACHE_DTYPES = {"auto": None, "fp8": FP8, "fp8_e4m3": FP8, "fp8_e4m3fn": FP8, "int8": INT8}
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class KVCacheSpec:
 
     num_kv_heads: int
     head_dim: int
-    dtype: torch.dtype  # what the cache stores: the model's dtype, or fp8
+    dtype: torch.dtype  # what the cache stores: the model's dtype, e4m3 or int8
     sliding_window: int | None = None
     summary_dtype: torch.dtype | None = None  # the blocks' key summaries (selective decode), or none
     # KV sharing (Gemma 3n, Gemma 4's small models): a layer that attends over an earlier layer's keys
@@ -55,11 +56,11 @@ class KVCacheSpec:
 
     @property
     def scaled(self) -> bool:
-        """An fp8 cache: each (token, KV head) row has a float32 scale beside it."""
-        return self.dtype == FP8
+        """An 8-bit cache (e4m3 or int8): each (token, KV head) row has a float32 scale beside it."""
+        return self.dtype in SCALED_KV_DTYPES
 
     def bytes_per_token(self) -> int:
-        """Keys and values (and an fp8 cache's scales); the block's summary is `summary_bytes`.
+        """Keys and values (and an 8-bit cache's scales); the block's summary is `summary_bytes`.
         Nothing for a layer that reads another's (`reads_kv_of`)."""
         if self.reads_kv_of is not None:
             return 0

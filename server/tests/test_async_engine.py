@@ -6,7 +6,7 @@ a token the scheduler learns late has one step computed for nothing, which is dr
 workload exercises what that can break: chunked prefill, preemption, prefix-cache hits, seeded
 sampling, penalties (which need the tokens in flight on the host), logprobs, prompt logprobs,
 stop tokens, a stop found downstream (`finish_request`) and an abort. It runs over a KV cache in
-the model's dtype and over an fp8 one (quantized rows written, recomputed after preemption, shared
+the model's dtype and over 8-bit ones (quantized rows written, recomputed after preemption, shared
 by prefix hits and read back by every kind of step), and with selective decode attention on (key
 summaries folded by every kind of step, blocks chosen by decode steps).
 """
@@ -136,9 +136,11 @@ ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), rea
         ("cpu", "fp8"),
         ("cpu", "auto", "select"),
         ("cpu", "fp8", "select"),
+        ("cpu", "int8", "select"),
         pytest.param(("cuda", "auto"), marks=ON_GPU),
         pytest.param(("cuda", "fp8"), marks=ON_GPU),
         pytest.param(("cuda", "fp8", "select"), marks=ON_GPU),
+        pytest.param(("cuda", "int8", "select"), marks=ON_GPU),
     ],
     ids=lambda p: "-".join(p),
 )
@@ -151,14 +153,14 @@ def runs(request) -> tuple[dict[str, Seen], dict[str, Seen], LLMEngine]:
     stop_token = unstopped["r1"].tokens[3]  # r1 stops on its 4th token
     synchronous, _ = serve(device, False, workload(stop_token), **options)
     overlapped, engine = serve(device, True, workload(stop_token), watch=penalties_see_every_token, **options)
-    assert engine.shard.specs[0].scaled == (kv == "fp8")
+    assert engine.shard.specs[0].scaled == (kv != "auto")
     assert (engine.shard.selection is not None) == bool(select)
     assert engine.penalised_rows[0] > 10
-    # An fp8 cache's keys are read quantized by every step but a fresh prompt's own (which attends
+    # An 8-bit cache's keys are read quantized by every step but a fresh prompt's own (which attends
     # over them unquantized), so where the two loops chunk a prompt differently its logits differ
     # in the last digits; selection can turn such a difference into another block, and a sampled
     # request into other tokens. Then only the requests' lengths and finishes must agree.
-    engine.tokens_may_differ = kv == "fp8" and bool(select)
+    engine.tokens_may_differ = kv != "auto" and bool(select)
     return synchronous, overlapped, engine
 
 

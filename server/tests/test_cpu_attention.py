@@ -9,7 +9,8 @@ import random
 import pytest
 import torch
 
-from tgserve.kernels.fp8_format import FP8, dequantize_kv, quantize_kv
+from tgserve.kernels.fp8_format import FP8
+from tgserve.kernels.kv_format import INT8, dequantize_kv, quantize_kv
 from tgserve.kernels.reference import write_kv
 from tgserve.server.attention.backend import AttentionLayerParams
 from tgserve.server.attention.cpu import CpuAttentionBackend
@@ -37,19 +38,20 @@ def dense_reference(q, k, v, scale, window, softcap):
 
 
 def run_backend(contexts, q_lens, num_heads, num_kv, dim, block_size, window, softcap, seed=0, backend=None,
-                rows=None, static=None, fp8=False, fresh_from_cache=False):  # fmt: skip
+                rows=None, static=None, eight_bits=None, fresh_from_cache=False):  # fmt: skip
     """Earlier tokens are written first (as previous steps would), then one step of q_lens per
     sequence; with rows, only those query rows are asked for (and expected); with static
     (StaticShapes), the step is padded to its bucket first, as the static-shape runner pads it.
 
-    fp8: the cache stores e4m3 with scales, and the expected attention reads keys and values as
+    eight_bits (FP8 or INT8): the cache stores that format with scales, and the expected attention
+    reads keys and values as
     the cache gives them back (dequantized) wherever the backend reads the cache: every sequence
     with a cached prefix or one query, and fresh prompts too with fresh_from_cache (their step's own
     keys otherwise)."""
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(math.ceil(n / block_size) for n in contexts) + 3
-    cache = torch.zeros(2, num_blocks, block_size, num_kv, dim, dtype=FP8 if fp8 else torch.float32)
-    kv_scale = torch.zeros(2, num_blocks, num_kv, block_size) if fp8 else None
+    cache = torch.zeros(2, num_blocks, block_size, num_kv, dim, dtype=eight_bits or torch.float32)
+    kv_scale = torch.zeros(2, num_blocks, num_kv, block_size) if eight_bits else None
     free = list(range(num_blocks))
     random.Random(seed).shuffle(free)  # scattered, non-contiguous blocks
     tables, full = [], []
@@ -86,8 +88,8 @@ def run_backend(contexts, q_lens, num_heads, num_kv, dim, block_size, window, so
     )
 
     def as_read(x, n, ql):
-        reads_cache = fp8 and (ql < n or ql == 1 or fresh_from_cache)  # one query: a decode group
-        return dequantize_kv(*quantize_kv(x)) if reads_cache else x
+        reads_cache = eight_bits and (ql < n or ql == 1 or fresh_from_cache)  # one query: a decode group
+        return dequantize_kv(*quantize_kv(x, eight_bits)) if reads_cache else x
 
     expected = torch.cat(
         [
@@ -105,7 +107,7 @@ def run_backend(contexts, q_lens, num_heads, num_kv, dim, block_size, window, so
         query, key, value = (pad_rows(t, shape.num_tokens, 0) for t in (query, key, value))
         rows = pad_rows(rows, shape.num_logits, 0)  # padding logit rows repeat row 0
     out = backend.forward_rows(query, key, value, cache, backend.plan(meta), layer, rows)[:kept]
-    if fp8:
+    if eight_bits:
         return out, expected[rows[:kept]]
     # Every row's keys and values were stored: the cache now answers a full step's queries too.
     for (_q, k, v), table, n in zip(full, tables, contexts):
@@ -131,12 +133,16 @@ def test_all_decode_batch_matches_dense():
 
 @pytest.mark.parametrize("num_heads,num_kv", [(4, 4), (8, 2)])
 @pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (7, 50.0)])
-def test_fp8_cache_mixed_steps_match_dense_over_what_the_cache_holds(num_heads, num_kv, window, softcap):
-    """An fp8 cache: decode groups and chunks after a prefix read the stored rows back dequantized,
+@pytest.mark.parametrize("eight_bits", [FP8, INT8], ids=["e4m3", "int8"])
+def test_8_bit_cache_mixed_steps_match_dense_over_what_the_cache_holds(num_heads, num_kv, window, softcap,
+                                                                       eight_bits):  # fmt: skip
+    """An 8-bit cache: decode groups and chunks after a prefix read the stored rows back dequantized,
     fresh prompts attend over their own keys; each as dense attention over those keys."""
     contexts = [1, 9, 17, 33, 16, 40, 5, 30, 31]
     q_lens = [1, 9, 1, 12, 1, 1, 5, 1, 1]
-    out, expected = run_backend(contexts, q_lens, num_heads, num_kv, 16, 8, window, softcap, fp8=True)
+    out, expected = run_backend(
+        contexts, q_lens, num_heads, num_kv, 16, 8, window, softcap, eight_bits=eight_bits
+    )
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -149,7 +155,7 @@ def test_fp8_cache_kept_rows_match_dense(backend_name, case):
     backend = CpuAttentionBackend() if backend_name == "cpu" else CudaAttentionBackend()
     contexts, q_lens, rows = ROW_CASES[case]
     out, expected = run_backend(contexts, q_lens, 8, 2, 16, 4, 6, 30.0, seed=7, backend=backend, rows=rows,
-                                fp8=True, fresh_from_cache=backend_name == "cuda")  # fmt: skip
+                                eight_bits=FP8, fresh_from_cache=backend_name == "cuda")  # fmt: skip
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 

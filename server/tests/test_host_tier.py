@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tgserve import LLM, SamplingParams
-from tgserve.kernels.fp8_format import dequantize_kv, quantize_kv
+from tgserve.kernels.kv_format import dequantize_kv, quantize_kv
 from tgserve.server.core.block_manager import BlockManager
 from tgserve.server.core.host_tier import HostTier, KVTransfers
 from tgserve.server.core.request import Request
@@ -238,7 +238,7 @@ def test_live_kv_three_times_the_pool_completes_by_swapping(async_scheduling):
 
 @pytest.mark.parametrize(
     "kv_cache_dtype,budget",
-    [("auto", 0), ("fp8", 0), ("auto", 512), ("fp8", 128)],
+    [("auto", 0), ("fp8", 0), ("auto", 512), ("fp8", 128), ("int8", 128)],
 )
 def test_a_request_larger_than_the_pool_reads_its_spilled_blocks_from_host(kv_cache_dtype, budget):
     """One request whose KV (prompt and output, 476 tokens) is 2.5x the 192-token pool: its cold
@@ -259,7 +259,9 @@ def test_a_request_larger_than_the_pool_reads_its_spilled_blocks_from_host(kv_ca
     stats = llm.engine.stats()
     assert got == want
     assert stats.host_spilled_blocks >= 60 - 24 and stats.num_preemptions == 0
-    if budget:  # selection rescored host candidates from device copies of their keys (lossless from fp8)
+    if (
+        budget
+    ):  # selection rescored host candidates from device copies of their keys (lossless from an 8-bit cache)
         assert int((llm.engine.shard.host_pool.key_copies.slot_of >= 0).sum()) > 0
     assert stats.num_free_blocks == stats.num_total_blocks
     assert llm.engine.scheduler.block_manager.host_tier.num_held_blocks == 0

@@ -140,8 +140,9 @@ def test_the_pool_is_sized_for_a_whole_prompt_or_long_prompts_are_chunked(
 def test_a_whole_prompt_step_that_runs_out_of_memory_keeps_long_prompts_chunked(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A model of a million tokens' context: its whole-prompt profiling step does not fit at all.
-    The engine still starts, with long prompts chunked, rather than failing on the profile."""
+    """A whole-prompt profiling step that does not fit at all (a context longer than the device's
+    memory allows one step for): the engine still starts, with long prompts chunked, rather than
+    failing on the profile."""
     use_cuda_backend(monkeypatch)
     shard = engine().shard
 
