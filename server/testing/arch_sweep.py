@@ -44,8 +44,9 @@ SIZES: dict[str, Any] = {
 }  # fmt: skip
 MULTIMODAL_PARTS = ("vision_config", "audio_config", "text_config", "speech_config", "encoder_config")
 _ROPE = {"rope_type": "default", "rope_theta": 10000.0}
-# Settings a model type's released checkpoints give and its config class's defaults do not, so that
-# transformers itself cannot build or run the default (the sweep's "untested" rows).
+# Settings a model type's released checkpoints give (or, for X-MOD, its users must give) and its
+# config class's defaults do not, so that transformers itself cannot build or run the default (the
+# sweep's "untested" rows).
 CHECKPOINT_SETTINGS: dict[str, dict[str, Any]] = {
     # A RoPE per layer type, as Cohere's other hybrid-window models give.
     "cohere_compass_text": {"rope_parameters": {"full_attention": _ROPE, "sliding_attention": _ROPE}},
@@ -59,6 +60,9 @@ CHECKPOINT_SETTINGS: dict[str, dict[str, Any]] = {
     "reformer": {"axial_pos_embds_dim": [16, 48]},
     # LFM2-MoE's layer kinds: short convolutions among attention layers.
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+    # X-MOD's language adapters: the one a request without language ids runs through (its model card
+    # has users call `set_default_language`; the config's `default_language` sets the same).
+    "xmod": {"default_language": "en_XX"},
 }
 
 

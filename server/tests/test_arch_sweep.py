@@ -144,6 +144,7 @@ def test_families_the_sweep_found_differing_now_give_transformers_tokens(tmp_pat
     [
         ("dbrx", "DbrxForCausalLM"),  # its attention and expert configs, which the size names miss
         ("roc_bert", "RoCBertForCausalLM"),  # glyph-shape and pronunciation embeddings set small too
+        ("xmod", "XmodForCausalLM"),  # a default language for its adapters
     ],
 )
 def test_configs_the_size_names_missed_are_built_tiny_and_give_transformers_tokens(
