@@ -78,7 +78,7 @@ def make_paged_batch(
     )
 
 
-def with_fp8_cache(batch: PagedBatch, dtype: torch.dtype = FP8) -> PagedBatch:
+def with_8_bit_cache(batch: PagedBatch, dtype: torch.dtype = FP8) -> PagedBatch:
     """The batch with its cache quantized as an 8-bit pool stores it: e4m3 (or `dtype`, int8)
     values and one float32 scale a (token, KV head) row (`kv_format.quantize_kv`). The unused
     entries' NaN poison carries over (a NaN row gets a NaN scale)."""

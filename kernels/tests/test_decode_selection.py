@@ -12,7 +12,7 @@ from tgserve.kernels.decode_selection import DecodeSelection
 from tgserve.kernels.decode_synthetic import FAMILIES, PLANTED, planted_decode, selection_error
 from tgserve.kernels.paged_decode import paged_decode
 from tgserve.kernels.summary_fold import fold_key_summaries
-from tgserve.kernels.testing import make_paged_batch, rel_l2, with_fp8_cache
+from tgserve.kernels.testing import make_paged_batch, rel_l2, with_8_bit_cache
 
 
 def _summaries_of(batch, block_size: int) -> torch.Tensor:
@@ -111,7 +111,7 @@ def test_block_scores_kernel_matches_reference(device, dtype, num_heads, num_kv_
 def test_candidate_scores_kernel_matches_reference(device, dtype, fp8):
     batch = make_paged_batch([1, 1, 1], [300, 17, 129], 8, 2, 64, 16, dtype, seed=6)
     if fp8:
-        batch = with_fp8_cache(batch)
+        batch = with_8_bit_cache(batch)
     summary = _summaries_of(batch, 16) if not fp8 else torch.randn(2, batch.kv_cache.shape[1], 2, 64)
     bound = reference.block_scores(batch.query, summary.to(batch.query.dtype), batch.block_tables, batch.seq_lens,
                                    16, 2, 3)  # fmt: skip
@@ -171,7 +171,7 @@ def test_decode_kernel_over_chosen_blocks_matches_reference(device, dtype, fp8):
     batch = make_paged_batch([1, 1, 1, 1], [700, 130, 1000, 90], 8, 2, 32, block_size, dtype, seed=3)
     summary = _summaries_of(batch, block_size)
     if fp8:
-        batch = with_fp8_cache(batch)
+        batch = with_8_bit_cache(batch)
     chosen, lengths = _selection(batch, summary, 128, 200, block_size, "cpu")
     assert lengths.tolist() == [700 - (44 - 8) * 16, 0, 1000 - (63 - 8) * 16, 0]
     want = reference.selected_decode(batch.query, batch.kv_cache, batch.block_tables, batch.seq_lens, chosen,
@@ -204,7 +204,7 @@ def test_decode_kernel_folds_the_step_key_into_its_block_summary(device, fp8):
     batch = make_paged_batch([1, 1, 1], [33, 48, 5], 4, 2, 16, 16, seed=5)
     summary = _summaries_of(batch, 16)
     if fp8:
-        batch = with_fp8_cache(batch)
+        batch = with_8_bit_cache(batch)
     # The step's key again, larger: seq 0 starts a block (offset 0 of block 2), the others extend one.
     step_key, step_value = batch.key * 3, batch.value
     want = summary.clone()

@@ -14,7 +14,7 @@ from tgserve.kernels.kv_format import INT8, dequantize_kv, quantize_kv
 from tgserve.kernels.kv_write import write_kv
 from tgserve.kernels.paged_decode import paged_decode
 from tgserve.kernels.paged_prefill import paged_prefill
-from tgserve.kernels.testing import make_paged_batch, max_abs_err, rel_l2, with_fp8_cache
+from tgserve.kernels.testing import make_paged_batch, max_abs_err, rel_l2, with_8_bit_cache
 
 # Tolerances of the kernels against the twin on the same fp8 cache: both dequantize the same bytes
 # with the same scales, so they differ only as the dense kernels do (summation order, fp16 products).
@@ -95,7 +95,7 @@ def test_decode_over_8_bits_matches_reference(device, dtype, heads, splits, wind
     # Contexts ending past a whole tile by at most half a tile and by more (interpreter tiles of 16
     # keys, GPU tiles of 128): the kernel reads such a rest in a half tile or in a whole one.
     contexts = [1, 7, 8, 17, 45, 100, 200]
-    batch = with_fp8_cache(make_paged_batch([1] * 7, contexts, *heads, 32, 8, dtype, device, seed=3), kv)
+    batch = with_8_bit_cache(make_paged_batch([1] * 7, contexts, *heads, 32, 8, dtype, device, seed=3), kv)
     out = torch.full_like(batch.query, float("nan"))
     paged_decode(batch.query, batch.kv_cache, batch.block_tables, batch.seq_lens, 0.3, window, out=out,
                  num_splits=splits, kv_scale=batch.kv_scale)  # fmt: skip
@@ -119,7 +119,7 @@ def test_decode_over_8_bits_in_either_gpu_tile(device, monkeypatch, many_program
     assert paged_decode_module.fp8_tile(7, 4) == want_tile
     contexts = [1, 63, 64, 97, 130, 200, 300]  # rests under and over half of either tile
     full = make_paged_batch([1] * 7, contexts, 16, 4, 128, 16, torch.float16, device, seed=5)
-    batch = with_fp8_cache(full, kv)
+    batch = with_8_bit_cache(full, kv)
     out = torch.full_like(batch.query, float("nan"))
     paged_decode(batch.query, batch.kv_cache, batch.block_tables, batch.seq_lens, 0.1, out=out,
                  step_kv=(full.key, full.value, full.slot_mapping), kv_scale=batch.kv_scale)  # fmt: skip
@@ -134,7 +134,7 @@ def test_decode_stores_the_step_kv_into_8_bits(device, splits, kv):
     full = make_paged_batch([1] * 4, [1, 9, 33, 50], 8, 2, 32, 8, torch.float32, device, seed=21)
     slots = full.slot_mapping.clone()
     slots[1] = -1  # padding: not written
-    batch = with_fp8_cache(full, kv)
+    batch = with_8_bit_cache(full, kv)
     cache, kv_scale = batch.kv_cache.clone(), batch.kv_scale.clone()
     poisoned = slots[slots >= 0].long()
     cache.view(2, -1, *cache.shape[-2:])[:, poisoned] = _poison(kv)
@@ -156,7 +156,7 @@ def test_decode_stores_the_step_kv_into_8_bits(device, splits, kv):
 def test_prefill_over_8_bits_matches_reference(device, dtype, window, softcap, kv):
     # Chunks after a cached prefix, a fresh prompt and a decode row in one step.
     batch = make_paged_batch([5, 12, 1], [21, 12, 40], 8, 2, 32, 8, dtype, device, seed=6)
-    batch = with_fp8_cache(batch, kv)
+    batch = with_8_bit_cache(batch, kv)
     out = torch.full_like(batch.query, float("nan"))
     paged_prefill(batch.query, batch.kv_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens, 0.2,
                   window, softcap, out=out, kv_scale=batch.kv_scale)  # fmt: skip
@@ -167,7 +167,7 @@ def test_prefill_over_8_bits_matches_reference(device, dtype, window, softcap, k
 def test_8_bit_attention_stays_close_to_full_precision(device, kv, limit):
     """What the format costs: attention over the 8-bit cache against the same cache unquantized."""
     full = make_paged_batch([1] * 3, [64, 100, 200], 8, 2, 64, 16, torch.float32, device, seed=8)
-    fp8 = with_fp8_cache(full, kv)
+    fp8 = with_8_bit_cache(full, kv)
     exact = reference.paged_attention(full.query.cpu(), full.kv_cache.cpu(), full.block_tables.cpu(),
                                       full.query_start_loc.cpu(), full.seq_lens.cpu(), 0.125)  # fmt: skip
     got = dispatch.paged_decode(fp8.query, fp8.kv_cache, fp8.block_tables, fp8.seq_lens, 0.125,
@@ -179,7 +179,7 @@ def test_8_bit_attention_stays_close_to_full_precision(device, kv, limit):
 def test_dispatch_write_then_prefill_on_8_bits(device, kv):
     """dispatch.write_kv then dispatch.paged_prefill, as the backend calls them, on an 8-bit pool."""
     full = make_paged_batch([3, 1, 2], [9, 20, 31], 8, 2, 32, 8, torch.float32, device, seed=22)
-    batch = with_fp8_cache(full, kv)
+    batch = with_8_bit_cache(full, kv)
     cache, kv_scale = batch.kv_cache.clone(), batch.kv_scale.clone()
     cache.view(2, -1, *cache.shape[-2:])[:, full.slot_mapping.long()] = _poison(kv)
     dispatch.write_kv(full.key, full.value, cache, full.slot_mapping, kv_scale)

@@ -14,7 +14,7 @@ from tgserve.kernels.host_fill import fill_from_host
 from tgserve.kernels.kv_format import dequantize_kv, quantize_kv
 from tgserve.kernels.paged_decode import paged_decode
 from tgserve.kernels.paged_prefill import paged_prefill
-from tgserve.kernels.testing import PagedBatch, make_paged_batch, with_fp8_cache
+from tgserve.kernels.testing import PagedBatch, make_paged_batch, with_8_bit_cache
 
 
 def _host_copy(tensor: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -51,7 +51,7 @@ def test_decode_reads_host_blocks_where_they_lie(device, dtype, fp8, splits):
     seq_lens = [1, 9, 40, 77]
     batch = make_paged_batch([1] * 4, seq_lens, 8, 2, 32, 8, dtype, device, seed=5)
     if fp8:
-        batch = with_fp8_cache(batch)
+        batch = with_8_bit_cache(batch)
     args = (batch.query, batch.kv_cache, batch.block_tables, batch.seq_lens, 0.3)
     want = paged_decode(*args, num_splits=splits, kv_scale=batch.kv_scale)
     tables, host, moves = _moved_to_host(batch, every=2)
@@ -89,7 +89,7 @@ def test_prefill_chunks_read_host_blocks_where_they_lie(device, dtype, fp8):
     chunks while it spills): the paged prefill reads them in place."""
     batch = make_paged_batch([5, 12, 1], [40, 77, 30], 8, 2, 32, 8, dtype, device, seed=7)
     if fp8:
-        batch = with_fp8_cache(batch)
+        batch = with_8_bit_cache(batch)
     args = (batch.query, batch.kv_cache)
     rest = (batch.query_start_loc, batch.seq_lens, 0.3)
     want = paged_prefill(*args, batch.block_tables, *rest, kv_scale=batch.kv_scale)
@@ -110,7 +110,7 @@ def test_block_selection_reads_host_summaries_and_keys(device, fp8):
     summary = torch.randn(2, batch.kv_cache.shape[1], 2, 32, generator=torch.Generator().manual_seed(9))
     summary = torch.stack([summary.min(0).values, summary.max(0).values]).to(torch.float16).to(device)
     if fp8:
-        batch = with_fp8_cache(batch)
+        batch = with_8_bit_cache(batch)
     selection = DecodeSelection(budget=96, min_context=64, sink=8, recent=16)
     args = (batch.query, summary)
     rest = (batch.seq_lens, selection, batch.kv_cache, batch.kv_scale)
@@ -150,7 +150,7 @@ def test_candidate_rescoring_reads_device_key_copies_of_host_blocks(device, dtyp
     and score as their copy's keys would in the device pool; the others are read on host."""
     batch = make_paged_batch([1, 1], [300, 170], 8, 2, 32, 8, dtype, device, seed=8)
     if fp8:
-        batch = with_fp8_cache(batch)
+        batch = with_8_bit_cache(batch)
     original, original_scale = (
         batch.kv_cache.clone(),
         None if batch.kv_scale is None else batch.kv_scale.clone(),
@@ -219,7 +219,7 @@ def _with_spare_blocks(batch: PagedBatch, count: int) -> PagedBatch:
 def test_fill_from_host_copies_the_chosen_heads_of_host_blocks(device, dtype, fp8):
     batch = make_paged_batch([1, 1], [64, 40], 8, 2, 32, 8, dtype, device, seed=11)
     if fp8:
-        batch = with_fp8_cache(batch)
+        batch = with_8_bit_cache(batch)
     batch = _with_spare_blocks(batch, 6)
     first = batch.kv_cache.shape[1]
     tables, host, moves = _moved_to_host(batch, every=1)
@@ -249,7 +249,7 @@ def test_selective_decode_reads_held_host_blocks_on_the_device(device, dtype, fp
     rows poisoned for that head, the output is still the all-device one, bit for bit."""
     batch = make_paged_batch([1, 1], [200, 97], 8, 2, 32, 8, dtype, device, seed=6)
     if fp8:
-        batch = with_fp8_cache(batch)
+        batch = with_8_bit_cache(batch)
     chosen = torch.tensor([[[0, 5, 9], [2, 3, 20]], [[1, 4, 7], [0, 6, 10]]], device=device)
     lengths = torch.tensor(
         [3 * 8 + (200 - 1) % 8 + 1, 3 * 8 + (97 - 1) % 8 + 1], dtype=torch.int32, device=device
