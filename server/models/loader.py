@@ -24,6 +24,7 @@ from tgserve.server.models.registry import (
     UnsupportedModelError,
     architecture_name,
     check_attention_layers,
+    check_required_settings,
     check_supported,
     native_model_class,
 )
@@ -51,6 +52,7 @@ def load_model(
     architecture = architecture_name(config)
     check_supported(architecture, trust_remote_code)
     check_attention_layers(config, architecture)
+    check_required_settings(config, architecture)
     native = None if force_fallback else native_model_class(architecture, config)
     check_checkpoint(config, source.display_name, native is not None)
     fp8_checkpoint = is_fp8_checkpoint(config)

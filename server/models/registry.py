@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from tgserve.server.loading.errors import ModelLoadError
+
 # HF architecture name -> (module under tgserve.server.models, class name)
 NATIVE_MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
@@ -91,6 +93,25 @@ NEEDS_A_TARGET_MODEL = {
     "gemma4_assistant": "a draft model of Gemma 4's speculative decoding: it attends over its target model's "
     "keys and values, which it does not compute itself"
 }
+
+# Settings a model type cannot run without, in transformers as here, and what each is: named when the
+# model loads rather than by the first forward's error.
+REQUIRED_SETTINGS = {
+    "xmod": (
+        "default_language",
+        "the language adapter a request without language ids runs through (X-MOD's "
+        'set_default_language), e.g. "en_XX"',
+    ),
+}
+
+
+def check_required_settings(config: Any, architecture: str) -> None:
+    """Raise ModelLoadError where the config lacks a setting the model type cannot run without."""
+    needed = REQUIRED_SETTINGS.get(getattr(config, "model_type", None))
+    if needed is not None and getattr(config, needed[0], None) is None:
+        name, what = needed
+        raise ModelLoadError(f"architecture {architecture!r} needs {name!r} in its config.json: {what}")
+
 
 # Layer kinds whose state is a softmax attention's keys and values, which the paged KV cache holds.
 ATTENTION_LAYER_KINDS = frozenset({"full_attention", "sliding_attention", "chunked_attention"})

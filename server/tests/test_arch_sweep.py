@@ -118,6 +118,19 @@ def test_layers_that_are_not_softmax_attention_are_refused_by_name(model_type, r
         check_attention_layers(AutoConfig.for_model(model_type), model_type)
 
 
+def test_a_setting_the_model_cannot_run_without_is_named_at_load(tmp_path):
+    """X-MOD without a default language: transformers' first forward would fail asking for
+    set_default_language; the load names the config setting instead."""
+    from transformers import XmodConfig
+
+    from tgserve.server.loading.errors import ModelLoadError
+    from tgserve.server.models.registry import check_required_settings
+
+    with pytest.raises(ModelLoadError, match="needs 'default_language' in its config.json"):
+        check_required_settings(XmodConfig(), "XmodForCausalLM")
+    check_required_settings(XmodConfig(default_language="en_XX"), "XmodForCausalLM")
+
+
 @pytest.mark.parametrize("model_type", ["llama", "gemma2", "gpt2", "falcon", "qwen3"])
 def test_attention_models_pass_the_layer_check(model_type):
     from transformers import AutoConfig
