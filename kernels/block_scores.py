@@ -198,7 +198,7 @@ def _candidate_scores_kernel(
         copied = slot >= 0
         read = token_ok & ~copied
     k = tl.load(k_at[:, None] + dims[None, :], mask=read[:, None] & dim_ok[None, :], other=0.0)
-    if SCALED:  # an fp8 cache: dequantized to the query's dtype (the decode kernel multiplies in f16 instead)
+    if SCALED:  # an 8-bit cache: dequantized to the query's dtype (decode multiplies in f16 instead)
         ks_at = block_address(ks_ptr, hks_ptr, page, first_host, page_run, stride_hs_block, run, HOST)
         k_scale = tl.load(ks_at, mask=read, other=0.0)
         k = (k.to(tl.float32) * k_scale[:, None]).to(q.dtype)

@@ -95,7 +95,7 @@ def paged_decode(
 
     max_seq_len: a host-side bound on seq_lens that sizes the kernel's context splits. step_kv:
     this step's (key, value, slot_mapping), stored into the cache first; the CUDA kernel stores
-    them itself (one launch a layer fewer at batch-1 decode). kv_scale: the fp8 cache's scales
+    them itself (one launch a layer fewer at batch-1 decode). kv_scale: an 8-bit cache's scales
     [2, num_blocks, num_kv_heads, block_size] (float32), None for a cache in the model's dtype.
     selection: (chosen, lengths): `select_decode_blocks` and the selection's `lengths` (full-attention layers).
     key_summary: the layer's key summaries, which the step's keys are folded into. host: (host

@@ -189,7 +189,7 @@ def _decode_kernel(
     for start in tl.range(lo, whole_end, BLOCK_N, num_stages=2):
         pos, in_ctx, page = _tile_pages(start, whole_end, table, chosen_row, chosen_len, last, current, hot_row,
                                         num_device_blocks, BLOCK_N, BLOCK_SIZE, SELECT, HOT)  # fmt: skip
-        k_scale, v_scale = 1.0, 1.0  # unread without an fp8 cache
+        k_scale, v_scale = 1.0, 1.0  # unread without an 8-bit cache
         if SCALE_AHEAD:
             # This tile's scales came a tile ago; the next tile's are loaded now, their latency
             # hidden behind this tile's products.

@@ -122,7 +122,7 @@ def _prefill_kernel(
             kv_mask = in_ctx[:, None] & dim_ok[None, :]
             k = tl.load(k_at[:, None] + dims[None, :], mask=kv_mask, other=0.0)
             v = tl.load(v_at[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-            if SCALED:  # an fp8 cache (paged only): each (token, KV head) row times its scale
+            if SCALED:  # an 8-bit cache (paged only): each (token, KV head) row times its scale
                 # [2, blocks, KV heads, BLOCK_SIZE]: a page's scales of this head are one contiguous run.
                 run, page_run = kv_head * BLOCK_SIZE + pos % BLOCK_SIZE, num_kv_heads * BLOCK_SIZE
                 ks_at = block_address(ks_ptr, hks_ptr, page, first_host, page_run, stride_hs_block, run, HOST)
@@ -246,7 +246,7 @@ def paged_prefill(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Queries of each sequence (its last q_len positions) against all its earlier paged KV; with
-    kv_scale [2, num_blocks, num_kv_heads, block_size] float32, an fp8 cache with these scales;
+    kv_scale [2, num_blocks, num_kv_heads, block_size] float32, an 8-bit cache with these scales;
     with `host` (as paged_decode takes it), table entries from its first id on are host blocks;
     sinks [num_heads]: learned per-head sink logits (a key of zero value in every row)."""
     return _launch(query, kv_cache[0], kv_cache[1], query_start_loc, seq_lens, block_tables,

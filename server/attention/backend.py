@@ -29,7 +29,7 @@ class HostBlocks:
 
     first: int
     cache: torch.Tensor  # [2, host_blocks, block_size, num_kv_heads, head_dim], strided by block
-    scale: torch.Tensor | None = None  # an fp8 cache's scales, [2, host_blocks, num_kv_heads, block_size]
+    scale: torch.Tensor | None = None  # an 8-bit cache's scales, [2, host_blocks, num_kv_heads, block_size]
     summary: torch.Tensor | None = None  # key summaries, [2, host_blocks, num_kv_heads, head_dim]
     key_copy: LayerKeyCopy | None = None  # device copies of some host blocks' keys (rescoring reads them)
     hot: HotLayer | None = None  # chosen host blocks kept in device blocks, per KV head (decode reads them)
@@ -56,7 +56,7 @@ class AttentionLayerParams:
     scale: float
     softcap: float | None = None
     layer_idx: int = 0  # per-layer settings (sparse patterns) are keyed by it
-    # An fp8 cache's scales, [2, num_blocks, num_kv_heads, block_size] float32 (kv_cache/spec.py):
+    # An 8-bit cache's scales, [2, num_blocks, num_kv_heads, block_size] float32 (kv_cache/spec.py):
     # the backend writes and reads the layer's cache through them. None for a cache in the model's dtype.
     kv_scale: torch.Tensor | None = None
     # The layer's key summary per block, [2, num_blocks, num_kv_heads, head_dim]: the backend folds
@@ -95,7 +95,7 @@ class AttentionBackend(ABC, Generic[Plan]):
     # True when the work of a step depends only on its shape and the metadata's device tensors (not
     # its host lists): then a padded step can be replayed from a graph recorded for its shape.
     shape_only: bool = False
-    # True when the backend writes and reads an fp8 KV cache (AttentionLayerParams.kv_scale).
+    # True when the backend writes and reads an 8-bit (fp8, int8) KV cache (AttentionLayerParams.kv_scale).
     reads_scaled_kv: bool = False
     # True when the backend reads blocks spilled to the host tier where they lie
     # (AttentionLayerParams.host): requests whose context outgrows the pool may then spill.

@@ -146,7 +146,7 @@ def block_rows(
 
 
 def _side(tensor: torch.Tensor | None, i: int, as_bytes: bool) -> torch.Tensor | None:
-    """Side i (keys 0, values 1) of a pool tensor [2, blocks, ...], as bytes for an fp8 cache
+    """Side i (keys 0, values 1) of a pool tensor [2, blocks, ...], as bytes for an 8-bit cache
     (torch's CPU indexing ops do not take float8 tensors)."""
     if tensor is None:
         return None
@@ -157,7 +157,7 @@ def paged_blocks(
     kv_cache: torch.Tensor, kv_scale: torch.Tensor | None, host: HostBlocks | None, ids: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values [len(ids) * block_size, H_kv, D] of blocks `ids` (host blocks among them
-    read from the host tier), dequantized to float32 from an fp8 cache."""
+    read from the host tier), dequantized to float32 from an 8-bit cache."""
     fp8, first = kv_scale is not None, kv_cache.shape[1] if host is None else host.first
     out = []
     for i in (0, 1):
@@ -179,7 +179,7 @@ def gathered_blocks(
     """The group's keys and values [B, L, H_kv, D], L = num_blocks * block_size: whole blocks
     gathered as rows of a 2D view, no per-token slots (index_select along dim 0 of a 2D tensor is a
     row memcpy, 15 GB/s on two cores; along dim 1 of the [2, blocks, -1] view it ran at 2.8 GB/s).
-    From an fp8 cache they come dequantized, in float32; blocks spilled to host from `host`."""
+    From an 8-bit cache they come dequantized, in float32; blocks spilled to host from `host`."""
     batch = group.query_pos.shape[0]
     keys, values = paged_blocks(kv_cache, kv_scale, host, group.block_ids)
     if host is not None and host.hot is not None:
@@ -261,7 +261,7 @@ def _group_blocks(
     kv_cache: torch.Tensor, group: DecodeGroup, layer: AttentionLayerParams
 ) -> tuple[torch.Tensor, torch.Tensor, None, torch.Tensor]:
     """The group's blocks as a pool of their own (key summaries, keys and values, dequantized from
-    an fp8 cache) and the tables that read it, block-table columns unchanged: selection over
+    an 8-bit cache) and the tables that read it, block-table columns unchanged: selection over
     blocks some of which lie in the host tier."""
     host, ids = layer.host, group.block_ids
     summary = torch.stack(

@@ -20,7 +20,7 @@ from tgserve.server.kv_cache.spec import KVCacheSpec
 @dataclass
 class ForwardContext:
     """One forward pass: the backend and the plan it made for the step, the per-layer KV views
-    (with an fp8 cache, each layer's scales beside them, and where decode attention selects blocks,
+    (with an 8-bit cache, each layer's scales beside them, and where decode attention selects blocks,
     each layer's key summaries; empty otherwise)."""
 
     backend: AttentionBackend

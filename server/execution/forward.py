@@ -31,12 +31,12 @@ class ModelForward:
         self.backend = backend
         self.specs = specs
         self.kv_caches: list[torch.Tensor] = []
-        self.kv_scales: list[torch.Tensor | None] = []  # an fp8 cache's scales, per layer
+        self.kv_scales: list[torch.Tensor | None] = []  # an 8-bit cache's scales, per layer
         self.key_summaries: list[torch.Tensor | None] = []  # blocks' key summaries (selective decode)
         self.host_blocks: list[HostBlocks | None] = []  # per layer, where requests spill to host
 
     def allocate_pool(self, num_blocks: int, block_size: int, device: torch.device) -> None:
-        """Every layer's KV cache of `num_blocks` blocks (and, for an fp8 cache, its scales; where
+        """Every layer's KV cache of `num_blocks` blocks (and, for an 8-bit cache, its scales; where
         decode attention selects blocks, their key summaries)."""
         self.release_pool()
         self.kv_caches = allocate_kv_caches(self.specs, num_blocks, block_size, device)

@@ -39,7 +39,7 @@ def allocate_kv_caches(
 def allocate_kv_scales(
     specs: list[KVCacheSpec], num_blocks: int, block_size: int, device: torch.device
 ) -> list[torch.Tensor | None]:
-    """Per layer, an fp8 cache's scales [2, num_blocks, num_kv_heads, block_size] float32 (zeros:
+    """Per layer, an 8-bit cache's scales [2, num_blocks, num_kv_heads, block_size] float32 (zeros:
     a slot is read only after its row and scale are written), or None for a cache without."""
     return _per_layer(
         specs,
