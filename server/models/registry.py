@@ -125,17 +125,20 @@ def check_attention_layers(config: Any, architecture: str) -> None:
     that reads another model's keys and values."""
     if (draft := NEEDS_A_TARGET_MODEL.get(getattr(config, "model_type", None))) is not None:
         raise UnsupportedModelError(f"architecture {architecture!r} is not supported: it is {draft}")
-    try:
-        heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
+    try:  # read apart from the rest: a heterogeneous config (Dots3) gives its layer kinds alone
         layer_types = getattr(config, "layer_types", None)
-        state = [name for name in STATE_SPACE_ATTRIBUTES if getattr(config, name, None) is not None]
-    except Exception:  # noqa: BLE001 - per-layer (heterogeneous) configs refuse global reads: not judged here
-        return
+    except Exception:  # noqa: BLE001
+        layer_types = None
     others = (
         sorted(set(layer_types or ()) - ATTENTION_LAYER_KINDS)
         if isinstance(layer_types, list | tuple)
         else []
     )
+    try:
+        heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
+        state = [name for name in STATE_SPACE_ATTRIBUTES if getattr(config, name, None) is not None]
+    except Exception:  # noqa: BLE001 - per-layer (heterogeneous) configs refuse global reads:
+        heads, state = "per layer", []  # such a config is judged by its layer kinds alone
     if heads is None:
         reason = "it has no attention heads (a recurrent or state-space model)"
     elif getattr(config, "model_type", None) in NOT_ONE_ATTENTION_A_LAYER:

@@ -107,6 +107,7 @@ def test_attention_with_learned_sinks_gives_transformers_tokens_on_the_cpu(tmp_p
         ("minimax", "linear_attention"),
         ("lfm3", "conv"),
         ("bamba", "linear_attention"),
+        ("dots3_note_text", "indexed_attention"),  # a heterogeneous config: its heads are per layer
     ],
 )
 def test_layers_that_are_not_softmax_attention_are_refused_by_name(model_type, reason):
