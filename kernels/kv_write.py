@@ -37,6 +37,7 @@ def _write_kv_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SCALED: tl.constexpr = False,
+    INT8: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
@@ -59,8 +60,8 @@ def _write_kv_kernel(
         )
         if SCALED:  # the scales are [2, num_blocks, num_kv_heads, block_size], contiguous
             scale_dst = scale_ptr + (block * num_kv_heads + heads) * BLOCK_SIZE + offset
-            k, k_scale = scaled_kv_rows(k.to(tl.float32), cache_ptr.dtype.element_ty)
-            v, v_scale = scaled_kv_rows(v.to(tl.float32), cache_ptr.dtype.element_ty)
+            k, k_scale = scaled_kv_rows(k.to(tl.float32), INT8)
+            v, v_scale = scaled_kv_rows(v.to(tl.float32), INT8)
             tl.store(scale_dst, k_scale, mask=heads < num_kv_heads)
             tl.store(scale_dst + stride_s_kv, v_scale, mask=heads < num_kv_heads)
         tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
@@ -104,5 +105,6 @@ def write_kv(
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
         SCALED=kv_scale is not None,
+        INT8=kv_cache.dtype == torch.int8,
         **pdl(key),
     )

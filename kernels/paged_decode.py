@@ -106,6 +106,7 @@ def _decode_kernel(
     MERGE_ROWS: tl.constexpr,
     WRITE: tl.constexpr = False,
     SCALED: tl.constexpr = False,
+    INT8: tl.constexpr = False,
     SELECT: tl.constexpr = False,
     SUMMARY: tl.constexpr = False,
     F16_PRODUCTS: tl.constexpr = False,
@@ -165,7 +166,7 @@ def _decode_kernel(
         _store_step_kv(new_k_ptr, new_v_ptr, slot_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, summary_ptr, seq, kv_head,
                        q_pos, lo, hi, dims, dim_ok, stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_c_block,
                        stride_c_off, stride_c_head, num_kv_heads, stride_sum_side, stride_sum_block, head_dim,
-                       BLOCK_SIZE, SCALED, SUMMARY)  # fmt: skip
+                       BLOCK_SIZE, SCALED, INT8, SUMMARY)  # fmt: skip
 
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
@@ -330,7 +331,8 @@ def _tile_scales(ks_ptr, vs_ptr, hks_ptr, hvs_ptr, page, pos, in_ctx, kv_head, n
 def _store_step_kv(new_k_ptr, new_v_ptr, slot_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, summary_ptr, seq, kv_head, q_pos,
                    lo, hi, dims, dim_ok, stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_c_block, stride_c_off,
                    stride_c_head, num_kv_heads, stride_sum_side, stride_sum_block, head_dim,
-                   BLOCK_SIZE: tl.constexpr, SCALED: tl.constexpr, SUMMARY: tl.constexpr):  # fmt: skip
+                   BLOCK_SIZE: tl.constexpr, SCALED: tl.constexpr, INT8: tl.constexpr,
+                   SUMMARY: tl.constexpr):  # fmt: skip
     """This step's key and value of one (sequence, KV head) into the cache, in place of a launch of
     their own: the program whose context range holds the query's position stores them and then
     reads them back with its tiles; no other program reads that position. Slot -1 (padding) is
@@ -359,8 +361,8 @@ def _store_step_kv(new_k_ptr, new_v_ptr, slot_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
             tl.store(at, low, mask=dim_ok)
             tl.store(at + stride_sum_side, high, mask=dim_ok)
         if SCALED:
-            k_rows, k_scale = scaled_kv_rows(k.to(tl.float32)[None, :], k_ptr.dtype.element_ty)
-            v_rows, v_scale = scaled_kv_rows(v.to(tl.float32)[None, :], v_ptr.dtype.element_ty)
+            k_rows, k_scale = scaled_kv_rows(k.to(tl.float32)[None, :], INT8)
+            v_rows, v_scale = scaled_kv_rows(v.to(tl.float32)[None, :], INT8)
             one = tl.arange(0, 1)
             scale_at = ((slot // BLOCK_SIZE) * num_kv_heads + kv_head) * BLOCK_SIZE + slot % BLOCK_SIZE
             tl.store(ks_ptr + scale_at + one, k_scale)
@@ -610,6 +612,7 @@ def paged_decode(
         USE_SOFTCAP=softcap is not None, USE_WINDOW=sliding_window is not None,
         SPLIT=splits > 1, PRECISION=dot_precision(query.dtype),
         BLOCK_S=block_s, MERGE_ROWS=merge_rows, WRITE=step_kv is not None, SCALED=kv_scale is not None,
+        INT8=kv_cache.dtype == torch.int8,
         SELECT=selection is not None, SUMMARY=step_kv is not None and key_summary is not None,
         F16_PRODUCTS=kv_scale is not None and query.dtype != torch.float32,
         HOST=host is not None, SCALE_AHEAD=kv_scale is not None and FP8_SCALES_AHEAD,

@@ -56,10 +56,10 @@ def int8_rows(x):
 
 
 @triton.jit
-def scaled_kv_rows(x, CACHE_TY: tl.constexpr):
-    """x [R, D] float32 as an 8-bit KV cache of element type CACHE_TY stores its rows (int8, else
-    e4m3): values on the format's grid in float32, to be cast to CACHE_TY exactly, and the scales."""
-    if CACHE_TY == tl.int8:
+def scaled_kv_rows(x, INT8: tl.constexpr):
+    """x [R, D] float32 as an 8-bit KV cache stores its rows (INT8: int8, else e4m3): values on the
+    format's grid in float32, to be cast to the cache's type exactly, and the scales."""
+    if INT8:
         q, scale = int8_rows(x)
     else:
         q, scale = e4m3_rows(x)
