@@ -23,7 +23,7 @@ KV_FORMATS = pytest.mark.parametrize("kv", [FP8, INT8], ids=["e4m3", "int8"])
 
 
 def _empty_cache(num_blocks: int, block_size: int, heads: int, dim: int, device, kv: torch.dtype) -> tuple:
-    cache = torch.full((2, num_blocks, block_size, heads, dim), float("nan")).to(kv)
+    cache = torch.full((2, num_blocks, block_size, heads, dim), _poison(kv)).to(kv)
     scale = torch.full((2, num_blocks, heads, block_size), -1.0)  # the pool's layout
     return cache.to(device), scale.to(device)
 
