@@ -158,13 +158,13 @@ def paged_blocks(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values [len(ids) * block_size, H_kv, D] of blocks `ids` (host blocks among them
     read from the host tier), dequantized to float32 from an 8-bit cache."""
-    fp8, first = kv_scale is not None, kv_cache.shape[1] if host is None else host.first
+    scaled, first = kv_scale is not None, kv_cache.shape[1] if host is None else host.first
     out = []
     for i in (0, 1):
-        pool, host_pool = _side(kv_cache, i, fp8), _side(None if host is None else host.cache, i, fp8)
+        pool, host_pool = _side(kv_cache, i, scaled), _side(None if host is None else host.cache, i, scaled)
         rows = block_rows(pool.flatten(1), None if host_pool is None else host_pool.flatten(1), first, ids)
         values = rows.view(ids.shape[0] * kv_cache.shape[2], *kv_cache.shape[3:])
-        if fp8:
+        if scaled:
             scales = block_rows(kv_scale[i], None if host is None else host.scale[i], first, ids)
             values = dequantize_kv(
                 values.view(kv_cache.dtype), scales.transpose(1, 2).reshape(-1, scales.shape[1])
@@ -344,7 +344,7 @@ class CpuAttentionBackend(AttentionBackend[CpuStepPlan]):
 
     def forward(self, query, key, value, kv_cache, plan: CpuStepPlan, layer: AttentionLayerParams):
         metadata = plan.metadata
-        if layer.kv_scale is not None:  # fp8: each row quantized with its own scale
+        if layer.kv_scale is not None:  # an 8-bit cache: each row quantized with its own scale
             write_kv(key, value, kv_cache, metadata.slot_mapping, layer.kv_scale)
         elif plan.writes_every_slot:
             flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
