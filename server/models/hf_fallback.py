@@ -6,12 +6,15 @@ bypass it (e.g. Falcon) call `past_key_values.update()` instead; for them a `Pag
 writes the step's keys and values into the paged cache and hands back each sequence's gathered
 context, with a block-diagonal causal mask over the concatenated contexts. Those that take no
 cache at all are run over each whole sequence every step, as transformers generates with them
-(`recompute_fallback.py`).
+(`recompute_fallback.py`), and so are those whose layers keep state the paged cache cannot hold
+(state-space, linear attention, convolutions: `registry.state_beside_keys_and_values`), with
+their own attention.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +28,9 @@ from tgserve.server.models.fallback_linears import swap_in_kernel_linears
 from tgserve.server.models.fallback_norms import swap_in_kernel_norms
 from tgserve.server.models.paged_cache_adapter import PagedCacheAdapter, packed_context_mask
 from tgserve.server.models.recompute_fallback import RecomputingFallbackModel, is_recomputed
+from tgserve.server.models.registry import state_beside_keys_and_values
+
+logger = logging.getLogger(__name__)
 
 ATTENTION_NAME = "tgserve_paged"
 _registered = False
@@ -148,7 +154,11 @@ def load_fallback_model(
     from transformers import AutoModelForCausalLM
 
     register_attention()
-    attention = ATTENTION_NAME if _class_supports_interface(config, trust_remote_code) else "eager"
+    stateful = state_beside_keys_and_values(config)
+    if stateful is not None:  # run as transformers runs it, its attention included: by recomputation
+        attention = None
+    else:
+        attention = ATTENTION_NAME if _class_supports_interface(config, trust_remote_code) else "eager"
     if fill_weights is None:
         hf_model = AutoModelForCausalLM.from_pretrained(
             path, config=config, gguf_file=gguf_file, trust_remote_code=trust_remote_code,
@@ -167,6 +177,13 @@ def load_fallback_model(
     hf_model = hf_model.to(device).eval()
     swap_in_kernel_norms(hf_model, dtype)
     swap_in_kernel_linears(hf_model)
+    if stateful is not None:
+        logger.warning(
+            "%s: %s, so each token is computed by a forward over its whole sequence (as with no "
+            "cache): correct, but each step's cost grows with the sequence's length",
+            type(hf_model).__name__, stateful,
+        )  # fmt: skip
+        return RecomputingFallbackModel(hf_model)
     if not supports_attention_interface(type(hf_model)) and is_recomputed(type(hf_model), config.model_type):
         return RecomputingFallbackModel(hf_model)
     return TransformersFallbackModel(hf_model)

@@ -1,13 +1,20 @@
-"""For HF models with no KV cache to hand over (GPT-1, XLM, XLNet, CPM-Ant): the whole sequence, each step.
+"""For HF models with no KV cache to hand over: the whole sequence, each step.
 
-transformers generates with such a model by running it over the whole sequence for every token
-(XLM and XLNet through inputs of their own, a mask token or a permutation mask appended by their
+Two kinds: models whose forward takes no cache (GPT-1, XLM, XLNet, CPM-Ant), and models whose
+layers keep state besides softmax attention's keys and values, which the paged cache cannot hold
+(Mamba, RWKV, linear-attention hybrids such as Qwen3.5 and Jamba, convolutional ones such as LFM2:
+`registry.state_beside_keys_and_values`). These keep their state in transformers' own cache
+when transformers generates; served here, their state is recomputed from the tokens each step.
+
+transformers generates with a model of the first kind by running it over the whole sequence for
+every token (XLM and XLNet through inputs of their own, a mask token or a permutation mask appended by their
 `prepare_inputs_for_generation`). The engine does the same: the paged cache keeps each sequence's
 token ids (one float32 "head" of width 1 a position, exact for ids below 2**24), so chunked
 prefill, prefix caching, preemption and swapping work as for any model, and each logits row is the
 model's last logits over the sequence's tokens up to that row, inputs prepared as `generate`
 prepares them. The cost is a forward over the whole sequence per logits row: fine for the small
-old models that need it, as it is in transformers.
+old models that need it, as it is in transformers; for the stateful ones it is what correctness
+costs until the engine holds their state (each step's cost grows with the sequence, not constant).
 """
 
 from __future__ import annotations

@@ -119,12 +119,17 @@ STATE_SPACE_ATTRIBUTES = ("state_size", "ssm_state_size", "mamba_d_state")
 
 
 def check_attention_layers(config: Any, architecture: str) -> None:
-    """Raise UnsupportedModelError for a model whose layers keep state other than softmax attention's
-    keys and values (state-space, linear or compressed attention, convolutions): the engine would
-    serve such a model wrong tokens or fail mid-step (docs/architectures.md); likewise a draft model
-    that reads another model's keys and values."""
+    """Raise UnsupportedModelError for a draft model that attends over another model's keys and
+    values: served alone, it has none to attend over."""
     if (draft := NEEDS_A_TARGET_MODEL.get(getattr(config, "model_type", None))) is not None:
         raise UnsupportedModelError(f"architecture {architecture!r} is not supported: it is {draft}")
+
+
+def state_beside_keys_and_values(config: Any) -> str | None:
+    """Why a model's layers keep state other than softmax attention's keys and values (state-space,
+    linear or compressed attention, convolutions, differential attention), or None. The paged
+    cache cannot hold that state, so such a model is served by recomputation
+    (`recompute_fallback.py`): each token a forward over its whole sequence."""
     try:  # read apart from the rest: a heterogeneous config (Dots3) gives its layer kinds alone
         layer_types = getattr(config, "layer_types", None)
     except Exception:  # noqa: BLE001
@@ -140,15 +145,11 @@ def check_attention_layers(config: Any, architecture: str) -> None:
     except Exception:  # noqa: BLE001 - per-layer (heterogeneous) configs refuse global reads:
         heads, state = "per layer", []  # such a config is judged by its layer kinds alone
     if heads is None:
-        reason = "it has no attention heads (a recurrent or state-space model)"
-    elif getattr(config, "model_type", None) in NOT_ONE_ATTENTION_A_LAYER:
-        reason = f"its {NOT_ONE_ATTENTION_A_LAYER[config.model_type]} is not computed by the paged attention"
-    elif others:
-        reason = f"its layers of kind {others} keep state that the paged KV cache does not hold"
-    elif state:
-        reason = (
-            f"its state-space layers ({', '.join(state)}) keep state that the paged KV cache does not hold"
-        )
-    else:
-        return
-    raise UnsupportedModelError(f"architecture {architecture!r} is not supported: {reason}")
+        return "it has no attention heads (a recurrent or state-space model)"
+    if getattr(config, "model_type", None) in NOT_ONE_ATTENTION_A_LAYER:
+        return f"its {NOT_ONE_ATTENTION_A_LAYER[config.model_type]} is not computed by the paged attention"
+    if others:
+        return f"its layers of kind {others} keep state that the paged KV cache does not hold"
+    if state:
+        return f"its state-space layers ({', '.join(state)}) keep state that the paged KV cache does not hold"
+    return None

@@ -60,6 +60,55 @@ CHECKPOINT_SETTINGS: dict[str, dict[str, Any]] = {
     "reformer": {"axial_pos_embds_dim": [16, 48]},
     # LFM2-MoE's layer kinds: short convolutions among attention layers.
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+    # Hybrids: one layer of each kind in the two, as their checkpoints interleave them (with the
+    # defaults' kinds at two layers, transformers' own cache has no attention layer and fails).
+    "bamba": {"attn_layer_indices": [1], "mamba_n_heads": 8, "mamba_d_head": 16},
+    "granitemoehybrid": {
+        "layer_types": ["linear_attention", "full_attention"],
+        "mamba_n_heads": 8,
+        "mamba_d_head": 16,
+    },
+    "jamba": {
+        "attn_layer_period": 2,
+        "attn_layer_offset": 1,
+        "expert_layer_period": 2,
+        "expert_layer_offset": 1,
+    },
+    "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
+    # Zamba's shared attention block is tied across its hybrid layers: two of them, a Mamba layer between.
+    "zamba": {
+        "num_hidden_layers": 3,
+        "layers_block_type": ["hybrid", "linear_attention", "hybrid"],
+        "attention_head_dim": 16,
+        "n_mamba_heads": 2,
+    },
+    "zamba2": {
+        "layers_block_type": ["linear_attention", "hybrid"],
+        "hybrid_layer_ids": [1],
+        "attention_head_dim": 32,
+        "n_mamba_heads": 4,
+        "mamba_headdim": 32,
+    },
+    "qwen4_exp_text": {
+        "layer_types": ["linear_attention", "indexed_attention"],
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "indexer_n_heads": 2,
+        "indexer_kv_heads": 1,
+        "indexer_head_dim": 16,
+        "indexer_budget": 8,
+        "indexer_compress_ratio": 4,
+    },
+    # Mamba-2's heads must tile its inner width (hidden x expand); ZAYA routes each token to one expert.
+    "mamba2": {"num_heads": 8, "head_dim": 16, "n_groups": 1},
+    "zaya": {"num_experts_per_tok": 1},
+    # DeepSeek-style indexed (sparse) attention: an indexer of the other heads' size; latent attention
+    # with a key and value head a query head, as transformers computes it.
+    "deepseek_v32": {"index_n_heads": 4, "index_head_dim": 16, "index_topk": 8, "num_key_value_heads": 4},
+    "axk2": {"index_n_heads": 4, "index_head_dim": 16, "index_topk": 8, "num_key_value_heads": 4},
+    "glm_moe_dsa": {"index_n_heads": 4, "index_head_dim": 16, "index_topk": 8, "num_key_value_heads": 4},
     # X-MOD's language adapters: the one a request without language ids runs through (its model card
     # has users call `set_default_language`; the config's `default_language` sets the same).
     "xmod": {"default_language": "en_XX"},

@@ -30,6 +30,9 @@ SAMPLE = [
     ("gemma4_text", "Gemma4ForCausalLM"),  # per-layer configs: full-attention layers' heads twice as wide
     ("gemma3n_text", "Gemma3nForCausalLM"),  # the last layers reuse earlier layers' KV; per-layer inputs
     ("mimo_v2_flash", "MiMoV2FlashForCausalLM"),  # sliding layers with twice the KV heads, and sinks
+    # Layers with state the paged cache cannot hold: served by recomputation, with their own attention.
+    ("mamba", "MambaForCausalLM"),  # a state-space model, no attention at all
+    ("qwen3_5_text", "Qwen3_5ForCausalLM"),  # gated DeltaNet (linear attention) among attention layers
 ]
 GEMMA_4_LAYERS = dict(layer_types=["sliding_attention", "full_attention"] * 2, num_hidden_layers=4)
 
@@ -88,11 +91,6 @@ def test_a_tiny_model_keeps_one_layer_of_every_kind():
     assert len(config.layer_types) == config.num_hidden_layers
 
 
-def test_a_hybrid_that_transformers_cannot_run_tiny_is_still_refused_by_name(tmp_path):
-    row = run_one("qwen3_next", "Qwen3NextForCausalLM", tmp_path)
-    assert row.status == "refused" and "linear_attention" in row.detail, row
-
-
 def test_attention_with_learned_sinks_gives_transformers_tokens_on_the_cpu(tmp_path):
     """gpt-oss's sinks take a share of every softmax: the CPU backend computes them (on other
     devices but a Gaudi too; there they are refused: test_attention_sinks.py)."""
@@ -108,15 +106,18 @@ def test_attention_with_learned_sinks_gives_transformers_tokens_on_the_cpu(tmp_p
         ("lfm3", "conv"),
         ("bamba", "linear_attention"),
         ("dots3_note_text", "indexed_attention"),  # a heterogeneous config: its heads are per layer
+        ("diffllama", "differential attention"),
     ],
 )
-def test_layers_that_are_not_softmax_attention_are_refused_by_name(model_type, reason):
+def test_layers_that_keep_other_state_than_keys_and_values_are_named(model_type, reason):
+    """The reason the fallback recomputes such a model (its start-up warning quotes it) names the layers."""
     from transformers import AutoConfig
 
-    from tgserve.server.models.registry import UnsupportedModelError, check_attention_layers
+    from tgserve.server.models.registry import check_attention_layers, state_beside_keys_and_values
 
-    with pytest.raises(UnsupportedModelError, match=reason):
-        check_attention_layers(AutoConfig.for_model(model_type), model_type)
+    config = AutoConfig.for_model(model_type)
+    assert reason in state_beside_keys_and_values(config)
+    check_attention_layers(config, model_type)  # served, not refused
 
 
 def test_a_setting_the_model_cannot_run_without_is_named_at_load(tmp_path):
@@ -133,12 +134,12 @@ def test_a_setting_the_model_cannot_run_without_is_named_at_load(tmp_path):
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma2", "gpt2", "falcon", "qwen3"])
-def test_attention_models_pass_the_layer_check(model_type):
+def test_attention_models_keep_only_keys_and_values(model_type):
     from transformers import AutoConfig
 
-    from tgserve.server.models.registry import check_attention_layers
+    from tgserve.server.models.registry import state_beside_keys_and_values
 
-    check_attention_layers(AutoConfig.for_model(model_type), model_type)
+    assert state_beside_keys_and_values(AutoConfig.for_model(model_type)) is None
 
 
 @pytest.mark.parametrize(
@@ -175,9 +176,10 @@ def test_a_draft_model_is_refused_by_name(tmp_path):
     assert row.status == "refused" and "draft model" in row.detail, row
 
 
-def test_differential_attention_is_refused_by_name(tmp_path):
+def test_differential_attention_is_recomputed_and_gives_transformers_tokens(tmp_path):
+    """Two softmaxes a layer over one set of keys and two of values: its own attention, recomputed."""
     row = run_one("diffllama", "DiffLlamaForCausalLM", tmp_path)
-    assert row.status == "refused" and "differential attention" in row.detail, row
+    assert row.status == "exact", row
 
 
 def test_alibi_biases_each_sequence_from_its_own_positions(tmp_path):
