@@ -32,6 +32,7 @@ from tgserve.kernels.triton_common import (
     pow2,
     scaled_kv_rows,
     wait_for_inputs,
+    widen_f16,
 )
 
 # The fp8 path's probabilities carry the values' scales times this power of two (F16_PRODUCTS below).
@@ -279,7 +280,7 @@ def _attend_pages(acc, m_i, l_i, q, pos, in_ctx, page, k_scale, v_scale, first, 
         # probabilities ([rows, tile] each, not [tile, head_dim]). The weights carry the
         # values' scales times V_WEIGHT, keeping them in f16's normal range as values of
         # magnitude ~1 keep them; the sum is divided by it once at the end.
-        acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k.to(tl.float16), v.to(tl.float16), mask[None, :], sm_scale,
+        acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, widen_f16(k), widen_f16(v), mask[None, :], sm_scale,
                                     softcap, USE_SOFTCAP, PRECISION, k_scale=k_scale,
                                     v_scale=v_scale * V_WEIGHT)  # fmt: skip
     else:
@@ -570,7 +571,9 @@ def paged_decode(
     if num_seqs == 0:
         return out
     assert query.stride(2) == 1 and kv_cache.stride(4) == 1 and out.stride(2) == 1
-    block_n, num_warps = _tile(num_seqs, num_kv_heads, kv_scale is not None, step_kv is not None, block_n)
+    block_n, num_warps = launch_tile(
+        num_seqs, num_kv_heads, kv_scale is not None, step_kv is not None, block_n
+    )
     max_context = max_seq_len or block_tables.shape[1] * block_size
     splits = num_splits or choose_splits(num_seqs, num_kv_heads, max_context, block_n)
     block_d = triton.next_power_of_2(head_dim)
@@ -622,7 +625,7 @@ def paged_decode(
     return out
 
 
-def _tile(
+def launch_tile(
     num_seqs: int, num_kv_heads: int, fp8: bool, decode_step: bool, block_n: int | None
 ) -> tuple[int, int]:
     """(keys a tile, warps): a caller's block_n with 4 warps, else by the cache's dtype and, for a

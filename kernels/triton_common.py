@@ -66,6 +66,39 @@ def scaled_kv_rows(x, INT8: tl.constexpr):
     return q, scale
 
 
+# Compiled kernels widen int8 through PTX (`widen_f16`); the interpreter runs none. Read at import,
+# when triton.jit decides whether this module's kernels are interpreted.
+WIDEN_INT8_BY_PTX = tl.constexpr(not triton.knobs.runtime.interpret)
+# Four int8 bytes to four f16s: each byte offset by 128 (xor 0x80) and placed as the low mantissa
+# byte of 1024.0 (0x64 high byte, by PRMT), where the mantissa's unit is 1, so the pair of f16s
+# holds 1152 + x; one f16x2 subtraction of 1152 each pair then leaves x, exactly.
+_INT8_TO_F16_PTX = tl.constexpr("""{
+.reg .b32 biased, hi64, k1152;
+xor.b32 biased, $2, 0x80808080;
+mov.b32 hi64, 0x64646464;
+prmt.b32 $0, biased, hi64, 0x5150;
+prmt.b32 $1, biased, hi64, 0x5352;
+mov.b32 k1152, 0x64806480;
+sub.f16x2 $0, $0, k1152;
+sub.f16x2 $1, $1, k1152;
+}""")
+
+
+@triton.jit
+def widen_f16(x):
+    """8-bit KV cache rows (e4m3 or int8) as f16, exactly. e4m3 widens in one conversion, two values
+    an instruction; int8's conversion (I2F) issues at a fraction of that rate and bounded decode over
+    an int8 cache: one layer on an H100, 256 x 640 tokens 192 us (e4m3 155), 1 x 128K 148 (114). With
+    five instructions each four values, 157 and 116
+    (docs/benchmarks/2026-12-05-int8-kv-on-cuda-h100.md)."""
+    if x.dtype == tl.int8:
+        if WIDEN_INT8_BY_PTX:
+            return tl.inline_asm_elementwise(
+                _INT8_TO_F16_PTX, "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4
+            )
+    return x.to(tl.float16)
+
+
 @triton.jit
 def block_address(ptr, host_ptr, page, first, stride_block, stride_host_block, within, HOST: tl.constexpr):
     """Addresses of offset `within` of blocks `page` (tensors of one shape): in the device pool, or

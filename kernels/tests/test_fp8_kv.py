@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from tgserve.kernels import dispatch, reference
 from tgserve.kernels import paged_decode as paged_decode_module
@@ -15,6 +17,7 @@ from tgserve.kernels.kv_write import write_kv
 from tgserve.kernels.paged_decode import paged_decode
 from tgserve.kernels.paged_prefill import paged_prefill
 from tgserve.kernels.testing import make_paged_batch, max_abs_err, rel_l2, with_8_bit_cache
+from tgserve.kernels.triton_common import widen_f16
 
 # Tolerances of the kernels against the twin on the same fp8 cache: both dequantize the same bytes
 # with the same scales, so they differ only as the dense kernels do (summation order, fp16 products).
@@ -49,6 +52,21 @@ def test_quantize_kv_to_int8_rounds_each_row_to_its_127_steps():
     # Within half a step, the step being the row's largest magnitude / 127.
     assert ((dequantize_kv(q, scale) - x).abs() <= scale[..., None] / 2 * (1 + 1e-6)).all()
     assert rel_l2(dequantize_kv(q, scale), x) < 0.01
+
+
+@triton.jit
+def _widen_kernel(x_ptr, out_ptr, N: tl.constexpr):
+    at = tl.arange(0, N)
+    tl.store(out_ptr + at, widen_f16(tl.load(x_ptr + at)))
+
+
+@KV_FORMATS
+def test_the_kernels_widen_every_8_bit_value_to_f16_exactly(device, kv):
+    every = torch.arange(256, dtype=torch.uint8).view(kv)  # every int8; every e4m3 (two NaNs, never stored)
+    every = torch.where(every.float().isnan(), 0, every.float()).to(kv)
+    widened = torch.empty(256, dtype=torch.float16, device=device)
+    _widen_kernel[(1,)](every.to(device), widened, 256)
+    assert torch.equal(widened.cpu(), every.half())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
