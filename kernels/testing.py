@@ -78,15 +78,19 @@ def make_paged_batch(
     )
 
 
+def quantized_cache(cache: torch.Tensor, dtype: torch.dtype = FP8) -> tuple[torch.Tensor, torch.Tensor]:
+    """A paged cache [2, blocks, block_size, heads, D] as an 8-bit pool stores it: e4m3 (or `dtype`,
+    int8) values and one float32 scale a (token, KV head) row (`kv_format.quantize_kv`), the
+    scales in the pool's layout [2, blocks, heads, block_size] (a page's run of a head contiguous)."""
+    q, scale = quantize_kv(cache.reshape(-1, *cache.shape[-2:]), dtype)
+    return q.view(cache.shape), scale.view(cache.shape[:-1]).transpose(2, 3).contiguous()
+
+
 def with_8_bit_cache(batch: PagedBatch, dtype: torch.dtype = FP8) -> PagedBatch:
-    """The batch with its cache quantized as an 8-bit pool stores it: e4m3 (or `dtype`, int8)
-    values and one float32 scale a (token, KV head) row (`kv_format.quantize_kv`). The unused
+    """The batch with its cache quantized as an 8-bit pool stores it (`quantized_cache`). The unused
     entries' NaN poison carries over (a NaN row gets a NaN scale)."""
-    cache = batch.kv_cache
-    rows = cache.reshape(-1, *cache.shape[-2:])
-    q, scale = quantize_kv(rows, dtype)
-    scales = scale.view(cache.shape[:-1]).transpose(2, 3).contiguous()  # [2, blocks, heads, block_size]
-    return replace(batch, kv_cache=q.view(cache.shape), kv_scale=scales)
+    kv_cache, kv_scale = quantized_cache(batch.kv_cache, dtype)
+    return replace(batch, kv_cache=kv_cache, kv_scale=kv_scale)
 
 
 def to_device(t: torch.Tensor, device: str | torch.device) -> torch.Tensor:

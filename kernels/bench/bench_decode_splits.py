@@ -26,9 +26,9 @@ from bench_gemv import graph_us  # this script's folder is on sys.path when run 
 
 from tgserve.kernels import reference
 from tgserve.kernels.fp8_format import FP8
-from tgserve.kernels.kv_format import INT8, dequantize_kv, quantize_kv
+from tgserve.kernels.kv_format import INT8, dequantize_kv
 from tgserve.kernels.paged_decode import choose_splits, launch_tile, paged_decode
-from tgserve.kernels.testing import max_abs_err
+from tgserve.kernels.testing import max_abs_err, quantized_cache
 
 HEADS, KV_HEADS, DIM, PAGE, LAYERS = 32, 8, 128, 16, 32
 # Distinct caches the layers cycle through. Where four contexts' worth of keys and values fit in the
@@ -51,10 +51,9 @@ class DecodeStep:
                 self.caches.append(cache)
                 self.scales.append(None)
                 continue
-            rows, scale = quantize_kv(cache.view(-1, KV_HEADS, DIM), cache_dtype)
-            self.caches.append(rows.view(cache.shape))
-            # The engine's scale layout: [2, blocks, KV heads, page], a page's run of a head contiguous.
-            self.scales.append(scale.view(2, pages, PAGE, KV_HEADS).transpose(2, 3).contiguous())
+            rows, scale = quantized_cache(cache, cache_dtype)
+            self.caches.append(rows)
+            self.scales.append(scale)
             del cache
         self.block_tables = torch.randperm(pages, device="cuda").to(torch.int32).view(batch, -1)
         self.seq_lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)

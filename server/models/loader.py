@@ -23,7 +23,7 @@ from tgserve.server.loading.source import ModelSource, iter_safetensors, safeten
 from tgserve.server.models.registry import (
     UnsupportedModelError,
     architecture_name,
-    check_attention_layers,
+    check_not_a_draft_model,
     check_required_settings,
     check_supported,
     native_model_class,
@@ -51,7 +51,7 @@ def load_model(
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     architecture = architecture_name(config)
     check_supported(architecture, trust_remote_code)
-    check_attention_layers(config, architecture)
+    check_not_a_draft_model(config, architecture)
     check_required_settings(config, architecture)
     native = None if force_fallback else native_model_class(architecture, config)
     check_checkpoint(config, source.display_name, native is not None)

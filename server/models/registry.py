@@ -118,7 +118,7 @@ ATTENTION_LAYER_KINDS = frozenset({"full_attention", "sliding_attention", "chunk
 STATE_SPACE_ATTRIBUTES = ("state_size", "ssm_state_size", "mamba_d_state")
 
 
-def check_attention_layers(config: Any, architecture: str) -> None:
+def check_not_a_draft_model(config: Any, architecture: str) -> None:
     """Raise UnsupportedModelError for a draft model that attends over another model's keys and
     values: served alone, it has none to attend over."""
     if (draft := NEEDS_A_TARGET_MODEL.get(getattr(config, "model_type", None))) is not None:

@@ -273,16 +273,14 @@ def run_one(model_type: str, architecture: str, workdir: Path, **overrides: Any)
 
     start = time.perf_counter()
     tokenizer_dir = _tokenizer_dir(default_cache_dir())  # the fixtures' shared tokenizer
+    if why := engine_refusal(model_type, architecture):  # by its type alone: its config may not even build
+        return Row(model_type, architecture, "refused", why)
     try:
         config = tiny_config(model_type, _token_ids(tokenizer_dir), **overrides)
     except Refused as why:
         return Row(model_type, architecture, "refused", str(why))
     except Exception as exc:  # the config class rejects the small sizes: the sweep's, not the engine's
-        if why := engine_refusal_of_default(model_type, architecture):
-            return Row(model_type, architecture, "refused", why)
         return Row(model_type, architecture, "untested", f"config: {type(exc).__name__}: {exc}"[:300])
-    if why := engine_refusal(config, architecture):  # before transformers: a hybrid that it cannot
-        return Row(model_type, architecture, "refused", why)  # run tiny is still refused by name
     model_class = getattr(transformers, architecture)
     directory = workdir / model_type
     prompts = [
@@ -336,31 +334,16 @@ def run_one(model_type: str, architecture: str, workdir: Path, **overrides: Any)
     return Row(model_type, architecture, "differs", f"engine {got} vs transformers {want}", seconds)
 
 
-def engine_refusal(config: Any, architecture: str) -> str | None:
-    """Why the engine refuses a model of this config by its layers, or None."""
-    from tgserve.server.models.registry import UnsupportedModelError, check_attention_layers
+def engine_refusal(model_type: str, architecture: str) -> str | None:
+    """Why the engine refuses every model of this type (a draft model served without its target),
+    or None."""
+    from tgserve.server.models.registry import UnsupportedModelError, check_not_a_draft_model
 
     try:
-        check_attention_layers(config, architecture)
+        check_not_a_draft_model(SimpleNamespace(model_type=model_type), architecture)
     except UnsupportedModelError as why:
         return str(why)[:300]
     return None
-
-
-def engine_refusal_of_default(model_type: str, architecture: str) -> str | None:
-    """`engine_refusal` of the model type's default config (where even that does not build, of the
-    model type alone: a draft model is refused whatever its sizes)."""
-    from transformers import AutoConfig
-
-    from tgserve.server.models.registry import NEEDS_A_TARGET_MODEL
-
-    try:
-        config = AutoConfig.for_model(model_type)
-    except Exception:  # noqa: BLE001 - a config class that rejects its own defaults: judged by its type alone
-        config = SimpleNamespace(model_type=model_type)
-        if model_type not in NEEDS_A_TARGET_MODEL:
-            return None
-    return engine_refusal(config, architecture)
 
 
 def uncached_greedy(model: Any, prompt: list[int]) -> list[int]:

@@ -113,11 +113,11 @@ def test_layers_that_keep_other_state_than_keys_and_values_are_named(model_type,
     """The reason the fallback recomputes such a model (its start-up warning quotes it) names the layers."""
     from transformers import AutoConfig
 
-    from tgserve.server.models.registry import check_attention_layers, state_beside_keys_and_values
+    from tgserve.server.models.registry import check_not_a_draft_model, state_beside_keys_and_values
 
     config = AutoConfig.for_model(model_type)
     assert reason in state_beside_keys_and_values(config)
-    check_attention_layers(config, model_type)  # served, not refused
+    check_not_a_draft_model(config, model_type)  # served, not refused
 
 
 def test_a_setting_the_model_cannot_run_without_is_named_at_load(tmp_path):
