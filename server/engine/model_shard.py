@@ -42,6 +42,7 @@ from tgserve.server.kv_cache.spec import (
 )
 from tgserve.server.loading.description import ModelDescription
 from tgserve.server.loading.source import ModelSource
+from tgserve.server.models.kept_states import KeptStates
 from tgserve.server.models.loader import load_model
 from tgserve.server.static_shapes.buckets import StaticShapes
 from tgserve.server.static_shapes.executor import StaticShapeExecutor
@@ -103,6 +104,8 @@ class ModelShard:
             args.quantize,
         )
         own_specs = getattr(model, "kv_cache_specs", None)  # a model that keeps other than keys and values
+        # A model that keeps its sequences' state outside the pool (`_pool_beside_kept_states`).
+        self.kept_states: KeptStates | None = getattr(model, "kept_states", None)
         self.specs = list(own_specs or kv_cache_specs(config, cache_dtype, args.tensor_parallel_size))
         self.selection = None if own_specs else self._decode_selection()
         if self.selection is not None:
@@ -203,13 +206,15 @@ class ModelShard:
         """
         args = self.args
         if args.num_blocks:
-            return args.num_blocks
+            return self._pool_beside_kept_states(args.num_blocks, args.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES,
+                                                 given=True)  # fmt: skip
         scratch = self.backend.scratch_blocks  # allocated beyond the block manager's blocks
         if not self._profiles_gpu_memory():
             memory = self._less_host_tier_copies(
                 (args.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES) - self.host_summary_bytes
             )
-            return max(1, num_blocks_for_memory(self.specs, args.block_size, memory) - scratch)
+            blocks = max(1, num_blocks_for_memory(self.specs, args.block_size, memory) - scratch)
+            return self._pool_beside_kept_states(blocks, memory)
         self.forward.allocate_pool(1, args.block_size, self.device)
         budget_step = self._profile_step(args.max_num_batched_tokens, args.max_num_seqs)
         self.memory_profile = check_kv_budget(
@@ -220,7 +225,27 @@ class ModelShard:
         self.forward.release_pool()
         logger.info(self.memory_profile.describe())
         budget = self._less_host_tier_copies(self.memory_profile.kv_budget_bytes - self.host_summary_bytes)
-        return max(1, num_blocks_for_memory(self.specs, args.block_size, budget) - scratch)
+        blocks = max(1, num_blocks_for_memory(self.specs, args.block_size, budget) - scratch)
+        return self._pool_beside_kept_states(blocks, budget)
+
+    def _pool_beside_kept_states(self, blocks: int, budget: int, given: bool = False) -> int:
+        """For a model that keeps its sequences' state outside the pool (`KeptStates`: the pool holds
+        token ids, 4 bytes a token), the pool's blocks (unless `given`) are capped at what the
+        running sequences can fill at the model's length, and the budget's rest bounds the kept
+        states (at most two a running sequence: stale ones of finished or preempted sequences go
+        first); those the profiling step left are dropped. Any other model: `blocks` as they are."""
+        if self.kept_states is None:
+            return blocks
+        args = self.args
+        self.kept_states.clear()
+        if not given:
+            blocks = min(blocks, args.max_num_seqs * -(-self.max_model_len // args.block_size))
+        pool_bytes = blocks * sum(spec.bytes_per_block(args.block_size) for spec in self.specs)
+        self.kept_states.max_states = 2 * args.max_num_seqs
+        self.kept_states.max_bytes = max(0, budget - pool_bytes)
+        logger.info("kept sequence states: at most %d, %.2f GiB", self.kept_states.max_states,
+                    self.kept_states.max_bytes / (1 << 30))  # fmt: skip
+        return blocks
 
     def _less_host_tier_copies(self, budget: int) -> int:
         """The KV budget less what the host blocks' key copies and the hot-block cache take of it
@@ -308,6 +333,8 @@ class ModelShard:
         executor = self._choose_executor()
         if self.static_executor is not None and self.buckets.warmup:
             self.static_executor.warm_up(self.args.block_size, self.device)
+        if self.kept_states is not None:  # the states of capture's and warm-up's steps
+            self.kept_states.clear()
         self.runner = ModelRunner(self.forward, executor, self.args.block_size, self.device, self.host_pool)
         if self.args.tensor_parallel_size > 1:
             # Every rank samples the same rows: none defers a late mask by its own clock.

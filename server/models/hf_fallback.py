@@ -8,7 +8,7 @@ context, with a block-diagonal causal mask over the concatenated contexts. Those
 cache at all are run over each whole sequence every step, as transformers generates with them
 (`recompute_fallback.py`), and so are those whose layers keep state the paged cache cannot hold
 (state-space, linear attention, convolutions: `registry.state_beside_keys_and_values`), with
-their own attention.
+their own attention and transformers' own cache kept per sequence between steps (`kept_states.py`).
 """
 
 from __future__ import annotations
@@ -178,12 +178,8 @@ def load_fallback_model(
     swap_in_kernel_norms(hf_model, dtype)
     swap_in_kernel_linears(hf_model)
     if stateful is not None:
-        logger.warning(
-            "%s: %s, so each token is computed by a forward over its whole sequence (as with no "
-            "cache): correct, but each step's cost grows with the sequence's length",
-            type(hf_model).__name__, stateful,
-        )  # fmt: skip
-        return RecomputingFallbackModel(hf_model)
+        logger.info("%s: %s; the paged cache keeps its token ids", type(hf_model).__name__, stateful)
+        return RecomputingFallbackModel(hf_model, keep_state=True)
     if not supports_attention_interface(type(hf_model)) and is_recomputed(type(hf_model), config.model_type):
         return RecomputingFallbackModel(hf_model)
     return TransformersFallbackModel(hf_model)

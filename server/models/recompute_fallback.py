@@ -13,13 +13,16 @@ token ids (one float32 "head" of width 1 a position, exact for ids below 2**24),
 prefill, prefix caching, preemption and swapping work as for any model, and each logits row is the
 model's last logits over the sequence's tokens up to that row, inputs prepared as `generate`
 prepares them. The cost is a forward over the whole sequence per logits row: fine for the small
-old models that need it, as it is in transformers; for the stateful ones it is what correctness
-costs until the engine holds their state (each step's cost grows with the sequence, not constant).
+old models that need it, as it is in transformers. The stateful ones keep transformers' cache of
+each sequence between steps (`kept_states.py`): a sequence's next token then costs one token's
+forward, as in `generate`, and only a sequence with no state for its tokens (its first logits row,
+or one whose state was evicted) is run whole.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 from typing import Any
 
 import torch
@@ -27,10 +30,20 @@ from torch import nn
 
 from tgserve.server.attention.forward_context import get_forward_context
 from tgserve.server.kv_cache.spec import KVCacheSpec
+from tgserve.server.models.generation_steps import continuation_error, continue_generation, start_generation
+from tgserve.server.models.kept_states import KeptStates, token_key
+
+logger = logging.getLogger(__name__)
 
 # The cache's one layer: a position's token id, exactly (float32 holds integers below 2**24).
 TOKEN_ID_SPEC = KVCacheSpec(num_kv_heads=1, head_dim=1, dtype=torch.float32)
 
+
+# A kept state continues a sequence only where one-token steps reproduce the uncached forward to
+# within rounding (relative to the logits' size): float32 rounding is ~1e-6, 16-bit ~1e-2.
+CONTINUATION_TOLERANCE = {torch.float32: 1e-4, torch.float16: 3e-2, torch.bfloat16: 3e-2}
+# Kept states before the engine sizes them (`KeptStates.max_states`, `max_bytes`).
+DEFAULT_KEPT_STATES, DEFAULT_KEPT_BYTES = 64, 1 << 30
 
 # Models that take a `Cache` but attend in ways a paged cache cannot serve, by type and why.
 RECOMPUTED_MODEL_TYPES = {
@@ -53,10 +66,11 @@ class RecomputingFallbackModel(nn.Module):
 
     kv_cache_specs = [TOKEN_ID_SPEC]
 
-    def __init__(self, hf_model: nn.Module) -> None:
+    def __init__(self, hf_model: nn.Module, keep_state: bool = False) -> None:
         super().__init__()
         self.hf_model = hf_model
         self.config = hf_model.config
+        self.kept_states = self._kept_states() if keep_state else None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor
@@ -72,10 +86,51 @@ class RecomputingFallbackModel(nn.Module):
             length = meta.seq_lens_cpu[seq] - (starts[seq + 1] - 1 - row)  # tokens up to this row's
             table = meta.block_tables[seq, : -(-length // block_size)].long()
             slots = (table[:, None] * block_size + torch.arange(block_size, device=table.device)).view(-1)
-            logits.append(self._last_logits(ids[slots[:length]].long()))
+            logits.append(self._row_logits(ids[slots[:length]].long()))
         if not logits:
             return torch.empty(0, self.config.vocab_size, device=input_ids.device)
         return torch.stack(logits)
+
+    def _row_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The last logits of `tokens`: by one token's step from the state kept for all but the last
+        token where there is one, else by a forward over them all (which keeps its state)."""
+        if self.kept_states is None:
+            return self._last_logits(tokens)
+        ids = tokens.cpu()
+        state = self.kept_states.take(token_key(ids[:-1]))
+        try:
+            if state is None:
+                logits, state = start_generation(self.hf_model, tokens[None])
+            else:
+                logits, state = continue_generation(self.hf_model, tokens[None], state)
+        except torch.OutOfMemoryError:  # the kept states took what the step needed: drop them, recompute
+            logger.warning("out of device memory with %d kept states (%.2f GiB): dropped",
+                           len(self.kept_states), self.kept_states.bytes / (1 << 30))  # fmt: skip
+            del state
+            self.kept_states.clear()
+            return self._last_logits(tokens)
+        self.kept_states.keep(token_key(ids), state)
+        return logits
+
+    def _kept_states(self) -> KeptStates | None:
+        """States kept between steps, where one-token steps over transformers' cache reproduce the
+        uncached forward (checked on random tokens, on the model's device); else None, and the log
+        says the steps are recomputed."""
+        name, dtype = type(self.hf_model).__name__, next(self.hf_model.parameters()).dtype
+        device = next(self.hf_model.parameters()).device
+        try:
+            error = continuation_error(self.hf_model, self._last_logits, device)
+        except Exception as exc:  # the model's generation inputs do not take one-token steps here
+            error, why = float("inf"), f"{type(exc).__name__}: {exc}"
+        else:
+            why = f"relative error {error:.2g} against its uncached forward"
+        if error > CONTINUATION_TOLERANCE.get(dtype, 3e-2):
+            logger.warning("%s: each token is computed by a forward over its whole sequence: one-token steps "
+                           "over transformers' cache do not reproduce it (%s)", name, why)  # fmt: skip
+            return None
+        logger.info("%s: each sequence's state is kept between steps (one token's forward a step; %s)",
+                    name, why)  # fmt: skip
+        return KeptStates(DEFAULT_KEPT_STATES, DEFAULT_KEPT_BYTES)
 
     def _last_logits(self, tokens: torch.Tensor) -> torch.Tensor:
         inputs: dict[str, Any] = self.hf_model.prepare_inputs_for_generation(
