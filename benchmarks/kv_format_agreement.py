@@ -7,8 +7,9 @@ prompts x 32 greedy steps (tgserve.server.testing.agreement), each run's tokens 
 the unrounded model: how many steps it predicts the same, and the largest gap where they part.
 
 Formats: e4m3 (the fp8 cache: one float32 scale a token and KV head), e4m3 keys alone, int8 (the
-int8 cache), int8 keys with e4m3 values, and e4m3 keys less a per-head mean key (a shift softmax
-ignores, taken from a calibration text).
+int8 cache), int8 keys with e4m3 values, e4m3 keys less a per-head mean key (a shift softmax
+ignores, taken from a calibration text), and e4m3 after an orthonormal Hadamard rotation of queries
+and keys (`rotated-keys`; `rotated` turns the values too, and the output back).
 
     python benchmarks/kv_format_agreement.py --model DIR [--formats e4m3 int8-keys ...]
 """
@@ -51,9 +52,24 @@ class RoundedCache:
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
         if self.collected is not None:  # every position but the sink's
             self.collected.setdefault(module.layer_idx, []).append(key[0, :, 1:].transpose(0, 1))
+        if query.shape[2] == 1 and self.fmt.startswith("rotated"):
+            return self.rotated(module, query, key, value, attention_mask, **kwargs)
         if query.shape[2] == 1 and self.fmt != "none":
             key, value = self.keys(module.layer_idx, key), self.values(value)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    def rotated(self, module, query, key, value, attention_mask, **kwargs):
+        """Queries and keys (and with "rotated", values; the output turned back) times an
+        orthonormal Hadamard matrix before the keys are rounded: scores and output are unchanged
+        unrounded, and each rounded key's error is spread over every channel."""
+        h = hadamard(query.shape[-1]).to(query.dtype)
+        query, key = query @ h, rounded(key @ h)
+        if self.fmt == "rotated-keys":
+            return sdpa_attention_forward(module, query, key, rounded(value), attention_mask, **kwargs)
+        out, weights = sdpa_attention_forward(
+            module, query, key, rounded(value @ h), attention_mask, **kwargs
+        )
+        return out @ h.T, weights
 
     def keys(self, layer: int, key: torch.Tensor) -> torch.Tensor:
         if self.fmt.startswith("int8"):
@@ -67,6 +83,14 @@ class RoundedCache:
         if self.fmt == "e4m3-keys":
             return value
         return rounded(value, INT8 if self.fmt == "int8" else FP8)
+
+
+def hadamard(n: int) -> torch.Tensor:
+    """The n x n Hadamard matrix (n a power of two), scaled to be orthonormal."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return h / n**0.5
 
 
 @torch.no_grad()
