@@ -3,14 +3,18 @@ device, dtype and context length; and the EOS ids its files state."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from tgserve.server.config.engine_args import EngineArgs
 from tgserve.server.device.selection import resolve_device, resolve_dtype
+from tgserve.server.loading.language_model import language_model_config
 from tgserve.server.loading.source import ModelSource, load_config, resolve_model
+
+logger = logging.getLogger(__name__)
 
 
 def config_max_len(config: Any) -> int:
@@ -52,5 +56,10 @@ def load_model_description(args: EngineArgs) -> ModelDescription:
     device = resolve_device(args.device)
     source = resolve_model(args.model, args.revision, args.allow_pickle)
     config = load_config(source, args.trust_remote_code)
+    text = language_model_config(config, source)
+    if text is not None:
+        logger.info("%s is multimodal: its language model (%s) is served, for text", type(config).__name__,
+                    text.architectures[0])  # fmt: skip
+        config, source = text, replace(source, language_model_only=True)
     max_len = min(args.max_model_len or config_max_len(config), config_max_len(config))
     return ModelDescription(source, config, device, resolve_dtype(args.dtype, device), max_len)

@@ -7,7 +7,7 @@ refused unless `allow_pickle` is set.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,10 +22,13 @@ HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.
 
 @dataclass(frozen=True)
 class ModelSource:
-    """A model on local disk: a directory, and the GGUF file in it when the weights are GGUF."""
+    """A model on local disk: a directory, and the GGUF file in it when the weights are GGUF;
+    `language_model_only`: a multimodal checkpoint of which the language model is served
+    (`language_model.py`)."""
 
     directory: Path
     gguf_file: str | None = None
+    language_model_only: bool = False
 
     @property
     def display_name(self) -> str:
@@ -122,14 +125,18 @@ def verify_safetensors(files: list[Path]) -> None:
             raise ModelLoadError(f"weights file {file} is corrupt or unreadable: {exc}") from exc
 
 
-def iter_safetensors(files: list[Path], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of every file; a corrupt file raises naming it."""
+def iter_safetensors(
+    files: list[Path], device: torch.device, keep: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of every file (with `keep`, those whose names it keeps; the
+    others are not read); a corrupt file raises naming it."""
     from safetensors import SafetensorError, safe_open
 
     for file in files:
         try:
             with safe_open(str(file), framework="pt", device=str(device)) as handle:
                 for name in handle.keys():
-                    yield name, handle.get_tensor(name)
+                    if keep is None or keep(name):
+                        yield name, handle.get_tensor(name)
         except (SafetensorError, OSError, RuntimeError) as exc:
             raise ModelLoadError(f"weights file {file} is corrupt or unreadable: {exc}") from exc

@@ -145,28 +145,30 @@ def load_fallback_model(
     gguf_file: str | None,
     trust_remote_code: bool,
     fill_weights: Callable[[nn.Module], None] | None = None,
+    key_mapping: dict[str, str] | None = None,
 ) -> TransformersFallbackModel | RecomputingFallbackModel:
     """Load the HF model with tgserve's attention, or as is for models that bypass the interface.
 
     With `fill_weights` (load_format "dummy") no checkpoint is read: the model is built from its
     config on the device and the function fills its weights, so any architecture can be benchmarked
-    at its real shapes without writing weights first."""
-    from transformers import AutoModelForCausalLM
-
+    at its real shapes without writing weights first. `key_mapping`: checkpoint names to the
+    model's (a multimodal checkpoint's language model, `loading/language_model.py`)."""
     register_attention()
+    model_class = _causal_lm_class(config)
     stateful = state_beside_keys_and_values(config)
     if stateful is not None:  # run as transformers runs it, its attention included: by recomputation
         attention = None
     else:
         attention = ATTENTION_NAME if _class_supports_interface(config, trust_remote_code) else "eager"
     if fill_weights is None:
-        hf_model = AutoModelForCausalLM.from_pretrained(
+        mapped = {} if key_mapping is None else {"key_mapping": key_mapping}
+        hf_model = model_class.from_pretrained(
             path, config=config, gguf_file=gguf_file, trust_remote_code=trust_remote_code,
-            attn_implementation=attention, **dtype_kwargs(dtype),
+            attn_implementation=attention, **dtype_kwargs(dtype), **mapped,
         )  # fmt: skip
     else:
         with torch.device(device):
-            hf_model = AutoModelForCausalLM.from_config(
+            hf_model = model_class.from_config(
                 config,
                 trust_remote_code=trust_remote_code,
                 attn_implementation=attention,
@@ -183,6 +185,20 @@ def load_fallback_model(
     if not supports_attention_interface(type(hf_model)) and is_recomputed(type(hf_model), config.model_type):
         return RecomputingFallbackModel(hf_model)
     return TransformersFallbackModel(hf_model)
+
+
+def _causal_lm_class(config: Any) -> Any:
+    """AutoModelForCausalLM, or where its mapping has no entry for the config's class the class the
+    config names (a multimodal checkpoint's text model that transformers registers under the
+    composite type only, such as Mllama's `MllamaForCausalLM`)."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING or not getattr(config, "architectures", None):
+        return AutoModelForCausalLM
+    named = getattr(transformers, config.architectures[0], None)
+    return AutoModelForCausalLM if named is None else named
 
 
 def refuse_unsupported_attention(hf_model: nn.Module, device: torch.device) -> None:

@@ -11,6 +11,11 @@ from torch import nn
 from tgserve.server.distributed.tensor_parallel import tensor_parallel
 from tgserve.server.loading.errors import ModelLoadError
 from tgserve.server.loading.hf_compat import dtype_kwargs, renamed_checkpoint_weights
+from tgserve.server.loading.language_model import (
+    is_language_model_weight,
+    language_model_key_mapping,
+    language_model_weights,
+)
 from tgserve.server.loading.quantization import (
     check_checkpoint,
     check_quantize,
@@ -74,6 +79,7 @@ def load_model(
             return load_fallback_model(
                 str(source.directory), config, dtype, device, source.gguf_file, trust_remote_code,
                 fill_weights=_fill_dummy_weights if dummy else None,
+                key_mapping=language_model_key_mapping() if source.language_model_only else None,
             )  # fmt: skip
         except UnsupportedModelError:
             raise  # refused by name: it says why already
@@ -132,7 +138,11 @@ def _checkpoint_weights(
     source: ModelSource, config: Any, device: torch.device, allow_pickle: bool
 ) -> Iterator[tuple[str, torch.Tensor]]:
     if source.gguf_file is None:
-        weights = iter_safetensors(safetensors_files(source, allow_pickle), device)
+        if source.language_model_only:
+            files = safetensors_files(source, allow_pickle)
+            weights = language_model_weights(iter_safetensors(files, device, keep=is_language_model_weight))
+        else:
+            weights = iter_safetensors(safetensors_files(source, allow_pickle), device)
         return renamed_checkpoint_weights(weights, getattr(config, "model_type", ""))
     return _gguf_weights(source, config)
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from tgserve.server.loading.errors import ModelLoadError
 from tgserve.server.loading.hf_compat import dtype_kwargs
+from tgserve.server.loading.language_model import language_model_key_mapping
 from tgserve.server.loading.source import ModelSource, safetensors_files, verify_safetensors
 from tgserve.server.models.registry import architecture_name, native_model_class
 
@@ -61,6 +62,7 @@ def load_fallback_model(
             gguf_file=source.gguf_file,
             trust_remote_code=trust_remote_code,
             **dtype_kwargs(dtype),
+            **({"key_mapping": language_model_key_mapping()} if source.language_model_only else {}),
         )
     except (OSError, ValueError, RuntimeError) as exc:
         raise ModelLoadError(f"cannot load {source.display_name} through transformers: {exc}") from exc

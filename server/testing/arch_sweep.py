@@ -42,6 +42,7 @@ SIZES: dict[str, Any] = {
     # RoCBert's glyph-shape and pronunciation embeddings (25K and 910 ids, 512 and 768 wide by default).
     "shape_embed_dim": 16, "shape_vocab_size": 64, "pronunciation_embed_dim": 16, "pronunciation_vocab_size": 64,
 }  # fmt: skip
+MULTIMODAL = "multimodal (sub-configs)"
 MULTIMODAL_PARTS = ("vision_config", "audio_config", "text_config", "speech_config", "encoder_config")
 _ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 # Settings a model type's released checkpoints give (or, for X-MOD, its users must give) and its
@@ -143,7 +144,7 @@ def tiny_config(model_type: str, ids: Any, **overrides: Any) -> Any:
     if getattr(default, "is_encoder_decoder", False):
         raise Refused("encoder-decoder")
     if any(getattr(default, part, None) is not None for part in MULTIMODAL_PARTS):
-        raise Refused("multimodal (sub-configs)")
+        raise Refused(MULTIMODAL)
     settable = [name for name in SIZES if not isinstance(getattr(type(default), name, None), property)]
     sizes = {name: SIZES[name] for name in settable if _has(default, name)}
     sizes |= consistent_sizes(default, sizes) | per_layer_inputs(default, ids.vocab_size)
@@ -151,6 +152,32 @@ def tiny_config(model_type: str, ids: Any, **overrides: Any) -> Any:
     # LM such a model is a decoder, as checkpoints trained for generation say.
     decoder = {"is_decoder": True} if hasattr(default, "is_decoder") else {}
     return AutoConfig.for_model(model_type, **(sizes | decoder | ids.as_kwargs() | overrides))
+
+
+# A vision tower's sizes, which text generation never runs: as small as its config class takes.
+VISION_SIZES = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "depth": 1,
+                "num_attention_heads": 2, "num_heads": 2}  # fmt: skip
+
+
+def tiny_multimodal_config(model_type: str, ids: Any) -> Any:
+    """An image-text-to-text model type's config with a tiny language model (`tiny_config` of its
+    text config's type) and a one-layer vision tower, which the engine leaves out (it serves the
+    language model); raises Refused where it has no vision and text configs."""
+    from transformers import AutoConfig
+
+    default = AutoConfig.for_model(model_type)
+    vision = getattr(default, "vision_config", None)
+    text_type = default.get_text_config().model_type if hasattr(default, "get_text_config") else None
+    if vision is None or text_type in (None, model_type):
+        raise Refused(MULTIMODAL)
+    text = tiny_config(text_type, ids, **CHECKPOINT_SETTINGS.get(text_type, {}))
+    sizes = vision.to_dict()
+    sizes |= {name: value for name, value in VISION_SIZES.items() if name in sizes}
+    sizes |= {name: text.hidden_size for name in ("out_hidden_size", "projector_output_dim") if name in sizes}
+    sizes |= {name: 32 for name in ("vision_output_dim", "projector_input_dim") if name in sizes}
+    return AutoConfig.for_model(
+        model_type, text_config=text.to_dict(), vision_config=sizes, **ids.as_kwargs()
+    )
 
 
 def saved_tiny_model(model_type: str, architecture: str, directory: Path, **overrides: Any) -> Any:
@@ -276,12 +303,12 @@ def run_one(model_type: str, architecture: str, workdir: Path, **overrides: Any)
     if why := engine_refusal(model_type, architecture):  # by its type alone: its config may not even build
         return Row(model_type, architecture, "refused", why)
     try:
-        config = tiny_config(model_type, _token_ids(tokenizer_dir), **overrides)
+        config = _tiny_config_or_multimodal(model_type, _token_ids(tokenizer_dir), **overrides)
     except Refused as why:
         return Row(model_type, architecture, "refused", str(why))
     except Exception as exc:  # the config class rejects the small sizes: the sweep's, not the engine's
         return Row(model_type, architecture, "untested", f"config: {type(exc).__name__}: {exc}"[:300])
-    model_class = getattr(transformers, architecture)
+    model_class = getattr(transformers, _published_class(config, architecture))
     directory = workdir / model_type
     prompts = [
         [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21],
@@ -327,11 +354,52 @@ def run_one(model_type: str, architecture: str, workdir: Path, **overrides: Any)
     ]  # one at a time: the second hits the first's blocks
     seconds = time.perf_counter() - start
     if got == want:
-        return Row(model_type, architecture, "exact", "", seconds)
+        served = [_language_model_only(config), _recomputation(llm.engine.shard.forward.model)]
+        return Row(model_type, architecture, "exact", "; ".join(part for part in served if part), seconds)
     if got == [uncached_greedy(model, prompt) for prompt in prompts]:
         note = "transformers' cached `generate` differs from its own uncached forward; the engine equals the latter"
         return Row(model_type, architecture, "exact", f"{note}: generate gave {want}", seconds)
     return Row(model_type, architecture, "differs", f"engine {got} vs transformers {want}", seconds)
+
+
+def _tiny_config_or_multimodal(model_type: str, ids: Any, **overrides: Any) -> Any:
+    """`tiny_config`, or for an image-text-to-text type `tiny_multimodal_config` (served as its
+    language model)."""
+    try:
+        return tiny_config(model_type, ids, **overrides)
+    except Refused as why:
+        if str(why) != MULTIMODAL:
+            raise
+    return tiny_multimodal_config(model_type, ids)
+
+
+def _published_class(config: Any, architecture: str) -> str:
+    """The class a checkpoint of this config is published as: for a multimodal config the
+    image-text-to-text class (the causal-LM mapping may name the text class, which cannot be built
+    from the composite config), else `architecture`."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    if not _language_model_only(config):
+        return architecture
+    return MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(config.model_type, architecture)
+
+
+def _language_model_only(config: Any) -> str:
+    """For a multimodal config, what the engine served of it."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return "" if text is config else f"its language model ({text.model_type}), for text"
+
+
+def _recomputation(model: Any) -> str:
+    """How a model served without keys and values in the paged cache steps: its state kept between
+    steps, or its whole sequence recomputed (empty for any other model)."""
+    from tgserve.server.models.recompute_fallback import RecomputingFallbackModel
+
+    if not isinstance(model, RecomputingFallbackModel):
+        return ""
+    if model.kept_states is None:
+        return "recomputed: a forward over the whole sequence each step"
+    return f"state kept between steps ({model.kept_states.hits} of the steps continued it)"
 
 
 def engine_refusal(model_type: str, architecture: str) -> str | None:
@@ -385,7 +453,9 @@ def table(rows: list[Row]) -> str:
         "Learned attention sinks (gpt-oss, native; GraniteMoE-SWA, Granite-SWA, Flint, MiMo-V2-Flash) are",
         "computed by the CPU and CUDA backends; on a Gaudi they are refused by name. Models whose layers",
         "keep state besides keys and values (state-space, linear attention, convolutions, indexed or",
-        "differential attention) are served by recomputation: each step runs the whole sequence.",
+        "differential attention) keep transformers' cache of each sequence between steps where one-token",
+        "steps reproduce the model's uncached forward, and are recomputed whole each step where not; the",
+        "detail column says which.",
         "",
         "| model_type | class | status | detail |",
         "|---|---|---|---|",

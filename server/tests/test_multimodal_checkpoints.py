@@ -1,0 +1,84 @@
+"""Multimodal checkpoints (image-text-to-text: Gemma 3, Mistral Small 3.1, Qwen3.5, ...) are served
+for text by their language model alone (`loading/language_model.py`): token-exact with the
+published class's own text-only `generate`, through chunked prefill, preemption and prefix hits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from transformers import AutoConfig
+
+from tgserve.server.config.engine_args import EngineArgs
+from tgserve.server.engine.llm_engine import LLMEngine
+from tgserve.server.loading.language_model import language_model_config, language_model_weights
+from tgserve.server.loading.source import ModelSource
+from tgserve.server.models.registry import UnsupportedModelError
+from tgserve.server.testing.arch_sweep import copy_tokenizer, tiny_multimodal_config
+from tgserve.server.testing.fixtures import _token_ids, _tokenizer_dir, default_cache_dir
+
+from .parity import assert_scenario_parity, build_requests
+
+PROMPT_LENGTHS = [40, 12, 70, 25, 9, 50, 33, 30]
+TIGHT = dict(max_num_batched_tokens=32, block_size=8, num_blocks=24, dtype="float32", device="cpu")
+PUBLISHED = [
+    ("gemma3", "Gemma3ForConditionalGeneration"),  # native Gemma 3; `language_model.model.*` weights
+    ("mistral3", "Mistral3ForConditionalGeneration"),  # native llama family (Mistral)
+    ("qwen3_5", "Qwen3_5ForConditionalGeneration"),  # fallback, state kept; `model.language_model.*`
+]
+
+
+def _saved_multimodal(model_type: str, architecture: str, directory) -> torch.nn.Module:
+    tokenizer_dir = _tokenizer_dir(default_cache_dir())
+    config = tiny_multimodal_config(model_type, _token_ids(tokenizer_dir))
+    torch.manual_seed(0)
+    model = getattr(transformers, architecture)(config).float().eval()
+    with torch.no_grad():  # norms start at a constant (Gemma's at zero), where a mistake would not show
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(-0.5, 0.5)
+    model.save_pretrained(directory)
+    copy_tokenizer(tokenizer_dir, directory)
+    return model
+
+
+@pytest.mark.parametrize("model_type,architecture", PUBLISHED)
+def test_a_multimodal_checkpoint_serves_its_language_model_for_text(tmp_path, model_type, architecture):
+    hf_model = _saved_multimodal(model_type, architecture, tmp_path)
+    engine = LLMEngine(EngineArgs(model=str(tmp_path), **TIGHT))
+    text_type = AutoConfig.for_model(model_type).get_text_config().model_type
+    assert engine.config.model_type == text_type
+    assert_scenario_parity(engine, hf_model, build_requests(engine.vocab_size, PROMPT_LENGTHS))
+
+
+def test_language_model_weights_take_either_layout_and_leave_the_vision_tower_out():
+    weights = [
+        ("language_model.model.layers.0.mlp.up_proj.weight", 1),
+        ("model.language_model.embed_tokens.weight", 2),
+        ("language_model.lm_head.weight", 3),
+        ("lm_head.weight", 4),
+        ("vision_tower.encoder.layers.0.mlp.fc1.weight", 5),
+        ("model.visual.patch_embed.proj.weight", 6),
+        ("multi_modal_projector.linear_1.weight", 7),
+    ]
+    assert list(language_model_weights(weights)) == [
+        ("model.layers.0.mlp.up_proj.weight", 1),
+        ("model.embed_tokens.weight", 2),
+        ("lm_head.weight", 3),
+        ("lm_head.weight", 4),
+    ]
+
+
+def test_a_language_model_without_a_causal_lm_class_is_refused_by_name(tmp_path):
+    config = AutoConfig.for_model("qwen2_5_vl")  # its text model (M-RoPE Qwen2) has no causal-LM class
+    (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
+    with pytest.raises(UnsupportedModelError, match="qwen2_5_vl_text"):
+        language_model_config(config, ModelSource(tmp_path))
+
+
+def test_a_text_model_is_left_as_it_is(tmp_path):
+    config = AutoConfig.for_model("llama")
+    (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
+    assert language_model_config(config, ModelSource(tmp_path)) is None
