@@ -154,30 +154,35 @@ def tiny_config(model_type: str, ids: Any, **overrides: Any) -> Any:
     return AutoConfig.for_model(model_type, **(sizes | decoder | ids.as_kwargs() | overrides))
 
 
-# A vision tower's sizes, which text generation never runs: as small as its config class takes.
-VISION_SIZES = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "depth": 1,
+# A vision or audio tower's sizes, which text generation never runs: as small as its config takes.
+TOWER_SIZES = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "depth": 1,
                 "num_attention_heads": 2, "num_heads": 2}  # fmt: skip
 
 
 def tiny_multimodal_config(model_type: str, ids: Any) -> Any:
-    """An image-text-to-text model type's config with a tiny language model (`tiny_config` of its
-    text config's type) and a one-layer vision tower, which the engine leaves out (it serves the
-    language model); raises Refused where it has no vision and text configs."""
+    """A multimodal model type's config with a tiny language model (`tiny_config` of its text
+    config's type) and its vision and audio towers at one small layer, which the engine leaves out
+    (it serves the language model); raises Refused where the type has no separate text config."""
     from transformers import AutoConfig
 
     default = AutoConfig.for_model(model_type)
-    vision = getattr(default, "vision_config", None)
-    text_type = default.get_text_config().model_type if hasattr(default, "get_text_config") else None
-    if vision is None or text_type in (None, model_type):
+    text_type = default.get_text_config().model_type if hasattr(default, "get_text_config") else model_type
+    if text_type == model_type:
         raise Refused(MULTIMODAL)
     text = tiny_config(text_type, ids, **CHECKPOINT_SETTINGS.get(text_type, {}))
-    sizes = vision.to_dict()
-    sizes |= {name: value for name, value in VISION_SIZES.items() if name in sizes}
-    sizes |= {name: text.hidden_size for name in ("out_hidden_size", "projector_output_dim") if name in sizes}
-    sizes |= {name: 32 for name in ("vision_output_dim", "projector_input_dim") if name in sizes}
-    return AutoConfig.for_model(
-        model_type, text_config=text.to_dict(), vision_config=sizes, **ids.as_kwargs()
-    )
+    towers = {}
+    for part in ("vision_config", "audio_config"):
+        if getattr(default, part, None) is not None:
+            sizes = getattr(default, part).to_dict()
+            sizes |= {name: value for name, value in TOWER_SIZES.items() if name in sizes}
+            sizes |= {
+                name: text.hidden_size
+                for name in ("out_hidden_size", "projector_output_dim")
+                if name in sizes
+            }
+            sizes |= {name: 32 for name in ("vision_output_dim", "projector_input_dim") if name in sizes}
+            towers[part] = sizes
+    return AutoConfig.for_model(model_type, text_config=text.to_dict(), **towers, **ids.as_kwargs())
 
 
 def saved_tiny_model(model_type: str, architecture: str, directory: Path, **overrides: Any) -> Any:

@@ -27,6 +27,7 @@ PUBLISHED = [
     ("gemma3", "Gemma3ForConditionalGeneration"),  # native Gemma 3; `language_model.model.*` weights
     ("mistral3", "Mistral3ForConditionalGeneration"),  # native llama family (Mistral)
     ("qwen3_5", "Qwen3_5ForConditionalGeneration"),  # fallback, state kept; `model.language_model.*`
+    ("gemma4", "Gemma4ForConditionalGeneration"),  # fallback; its towers optional (none here)
 ]
 
 
