@@ -13,7 +13,11 @@ from transformers import AutoConfig
 
 from tgserve.server.config.engine_args import EngineArgs
 from tgserve.server.engine.llm_engine import LLMEngine
-from tgserve.server.loading.language_model import language_model_config, language_model_weights
+from tgserve.server.loading.language_model import (
+    language_model_config,
+    language_model_key_mapping,
+    language_model_weights,
+)
 from tgserve.server.loading.source import ModelSource
 from tgserve.server.models.registry import UnsupportedModelError
 from tgserve.server.testing.arch_sweep import copy_tokenizer, tiny_multimodal_config
@@ -83,3 +87,17 @@ def test_a_text_model_is_left_as_it_is(tmp_path):
     config = AutoConfig.for_model("llama")
     (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
     assert language_model_config(config, ModelSource(tmp_path)) is None
+
+
+def test_llama_4s_language_model_gives_its_text_class_tokens(tmp_path):
+    """transformers' own `Llama4ForConditionalGeneration.generate` fails on text alone (5.24: its
+    output has no `image_outputs`), so the reference is `Llama4ForCausalLM` over the checkpoint's
+    language-model weights."""
+    published = _saved_multimodal("llama4", "Llama4ForConditionalGeneration", tmp_path)
+    text_model = transformers.Llama4ForCausalLM.from_pretrained(
+        tmp_path, config=published.config.get_text_config(), key_mapping=language_model_key_mapping()
+    )
+    engine = LLMEngine(EngineArgs(model=str(tmp_path), **TIGHT))
+    assert_scenario_parity(
+        engine, text_model.float().eval(), build_requests(engine.vocab_size, PROMPT_LENGTHS)
+    )
