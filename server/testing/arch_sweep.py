@@ -189,9 +189,6 @@ def saved_tiny_model(model_type: str, architecture: str, directory: Path, **over
     """A tiny random transformers model of the type (`tiny_config`, then `overrides` set on its
     config), saved with the fixtures' tokenizer into `directory`; float32, its norms' weights
     randomized (they start at a constant, Gemma's at zero, where a mistake would not show)."""
-    import torch
-    import transformers
-
     from tgserve.server.testing.fixtures import _token_ids, _tokenizer_dir, default_cache_dir
 
     tokenizer_dir = _tokenizer_dir(default_cache_dir())
@@ -200,6 +197,25 @@ def saved_tiny_model(model_type: str, architecture: str, directory: Path, **over
         setattr(config, name, value)
         if name.endswith("layer_types"):  # a per-layer list given whole says how many layers there are
             config.num_hidden_layers = len(value)
+    return saved_random_model(config, architecture, directory, tokenizer_dir)
+
+
+def saved_tiny_multimodal_model(model_type: str, architecture: str, directory: Path) -> Any:
+    """`saved_tiny_model` for a multimodal type (`tiny_multimodal_config`), as its checkpoints are
+    published (`architecture`: the image-text-to-text class)."""
+    from tgserve.server.testing.fixtures import _token_ids, _tokenizer_dir, default_cache_dir
+
+    tokenizer_dir = _tokenizer_dir(default_cache_dir())
+    config = tiny_multimodal_config(model_type, _token_ids(tokenizer_dir))
+    return saved_random_model(config, architecture, directory, tokenizer_dir)
+
+
+def saved_random_model(config: Any, architecture: str, directory: Path, tokenizer_dir: Path) -> Any:
+    """The transformers class `architecture` of `config`, random (seeded), float32, its norms'
+    weights randomized too, saved with the tokenizer files of `tokenizer_dir` into `directory`."""
+    import torch
+    import transformers
+
     torch.manual_seed(0)
     model = getattr(transformers, architecture)(config).float().eval()
     with torch.no_grad():

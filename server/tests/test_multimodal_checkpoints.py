@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 import transformers
 from transformers import AutoConfig
 
@@ -20,8 +19,7 @@ from tgserve.server.loading.language_model import (
 )
 from tgserve.server.loading.source import ModelSource
 from tgserve.server.models.registry import UnsupportedModelError
-from tgserve.server.testing.arch_sweep import copy_tokenizer, tiny_multimodal_config
-from tgserve.server.testing.fixtures import _token_ids, _tokenizer_dir, default_cache_dir
+from tgserve.server.testing.arch_sweep import saved_tiny_multimodal_model
 
 from .parity import assert_scenario_parity, build_requests
 
@@ -35,23 +33,9 @@ PUBLISHED = [
 ]
 
 
-def _saved_multimodal(model_type: str, architecture: str, directory) -> torch.nn.Module:
-    tokenizer_dir = _tokenizer_dir(default_cache_dir())
-    config = tiny_multimodal_config(model_type, _token_ids(tokenizer_dir))
-    torch.manual_seed(0)
-    model = getattr(transformers, architecture)(config).float().eval()
-    with torch.no_grad():  # norms start at a constant (Gemma's at zero), where a mistake would not show
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.uniform_(-0.5, 0.5)
-    model.save_pretrained(directory)
-    copy_tokenizer(tokenizer_dir, directory)
-    return model
-
-
 @pytest.mark.parametrize("model_type,architecture", PUBLISHED)
 def test_a_multimodal_checkpoint_serves_its_language_model_for_text(tmp_path, model_type, architecture):
-    hf_model = _saved_multimodal(model_type, architecture, tmp_path)
+    hf_model = saved_tiny_multimodal_model(model_type, architecture, tmp_path)
     engine = LLMEngine(EngineArgs(model=str(tmp_path), **TIGHT))
     text_type = AutoConfig.for_model(model_type).get_text_config().model_type
     assert engine.config.model_type == text_type
@@ -93,7 +77,7 @@ def test_llama_4s_language_model_gives_its_text_class_tokens(tmp_path):
     """transformers' own `Llama4ForConditionalGeneration.generate` fails on text alone (5.24: its
     output has no `image_outputs`), so the reference is `Llama4ForCausalLM` over the checkpoint's
     language-model weights."""
-    published = _saved_multimodal("llama4", "Llama4ForConditionalGeneration", tmp_path)
+    published = saved_tiny_multimodal_model("llama4", "Llama4ForConditionalGeneration", tmp_path)
     text_model = transformers.Llama4ForCausalLM.from_pretrained(
         tmp_path, config=published.config.get_text_config(), key_mapping=language_model_key_mapping()
     )
