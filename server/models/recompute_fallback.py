@@ -39,9 +39,12 @@ logger = logging.getLogger(__name__)
 TOKEN_ID_SPEC = KVCacheSpec(num_kv_heads=1, head_dim=1, dtype=torch.float32)
 
 
-# A kept state continues a sequence only where one-token steps reproduce the uncached forward to
-# within rounding (relative to the logits' size): float32 rounding is ~1e-6, 16-bit ~1e-2.
-CONTINUATION_TOLERANCE = {torch.float32: 1e-4, torch.float16: 3e-2, torch.bfloat16: 3e-2}
+# A kept state continues a sequence only where one-token steps reproduce the uncached forward
+# (relative to the logits' size). Measured in float32 on the sweep's tiny models: 1e-7 to 2e-6 for
+# all but Bamba, 4.5e-3 (its chunked scan against its recurrent step; generate takes the latter),
+# while RecurrentGemma's cached steps are off by 0.7 and steps fed the wrong token by 1.0-1.5 (Mamba,
+# Jamba, Qwen3.5): the bound lies between the two.
+CONTINUATION_TOLERANCE = {torch.float32: 1e-2, torch.float16: 5e-2, torch.bfloat16: 5e-2}
 # Kept states before the engine sizes them (`KeptStates.max_states`, `max_bytes`).
 DEFAULT_KEPT_STATES, DEFAULT_KEPT_BYTES = 64, 1 << 30
 
@@ -124,7 +127,7 @@ class RecomputingFallbackModel(nn.Module):
             error, why = float("inf"), f"{type(exc).__name__}: {exc}"
         else:
             why = f"relative error {error:.2g} against its uncached forward"
-        if error > CONTINUATION_TOLERANCE.get(dtype, 3e-2):
+        if error > CONTINUATION_TOLERANCE.get(dtype, 5e-2):
             logger.warning("%s: each token is computed by a forward over its whole sequence: one-token steps "
                            "over transformers' cache do not reproduce it (%s)", name, why)  # fmt: skip
             return None

@@ -13,6 +13,7 @@ from tgserve.server.engine.llm_engine import LLMEngine
 from tgserve.server.models import recompute_fallback
 from tgserve.server.models.generation_steps import continuation_error, continue_generation
 from tgserve.server.models.kept_states import KeptStates, state_bytes, token_key
+from tgserve.server.models.recompute_fallback import CONTINUATION_TOLERANCE
 from tgserve.server.testing.arch_sweep import CHECKPOINT_SETTINGS, saved_tiny_model
 
 from .parity import assert_scenario_parity, build_requests
@@ -94,7 +95,7 @@ def test_continuation_is_checked_against_the_uncached_forward(tmp_path):
         return inputs
 
     hf_model.prepare_inputs_for_generation = the_wrong_token
-    assert continuation_error(hf_model, uncached, torch.device("cpu")) > 1e-2
+    assert continuation_error(hf_model, uncached, torch.device("cpu")) > CONTINUATION_TOLERANCE[torch.float32]
 
 
 def test_a_model_whose_steps_do_not_continue_its_cache_is_recomputed(tmp_path, monkeypatch):
