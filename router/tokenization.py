@@ -57,6 +57,42 @@ def _read_chat_template(directory: Path, config: dict[str, Any]) -> str | None:
     return template if isinstance(template, str) else None
 
 
+def iterates_over_content(template: str) -> bool:
+    """Whether a chat template loops over a message's content, reading it as OpenAI's list of parts
+    (`{"type": "text", "text": ...}`) rather than printing it as a string. Multimodal models'
+    templates do; some take only lists and fail on a string, which they would loop over character by
+    character (vLLM decides its "content format" the same way). A template that does not parse is
+    left to fail when rendered, with its own error."""
+    import jinja2
+    from jinja2 import nodes
+
+    try:
+        tree = jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError:
+        return False
+    for loop in tree.find_all(nodes.For):
+        looped = loop.iter
+        while isinstance(looped, nodes.Filter):  # message['content'] | selectattr(...), ...
+            looped = looped.node
+        if (
+            isinstance(looped, nodes.Getitem)
+            and isinstance(looped.arg, nodes.Const)
+            and looped.arg.value == "content"
+        ):
+            return True
+        if isinstance(looped, nodes.Getattr) and looped.attr == "content":
+            return True
+    return False
+
+
+def _as_text_parts(message: dict[str, Any]) -> dict[str, Any]:
+    """A message whose string content becomes one text part (the router keeps text only)."""
+    content = message.get("content")
+    if not isinstance(content, str):
+        return message
+    return {**message, "content": [{"type": "text", "text": content}]}
+
+
 def clean_up_tokenization(text: str) -> str:
     """transformers' `clean_up_tokenization_spaces`, for the tokenizers that enable it."""
     for before, after in (
@@ -87,6 +123,7 @@ class RouterTokenizer:
     ):
         self.tokenizer = tokenizer
         self.chat_template = chat_template
+        self.content_as_parts = bool(chat_template) and iterates_over_content(chat_template)
         self.special_tokens = dict(special_tokens or {})
         self.clean_up_spaces = clean_up_spaces
         added = tokenizer.get_added_tokens_decoder()
@@ -147,6 +184,8 @@ class RouterTokenizer:
         render_jinja_template = chat_renderer()
         if not self.chat_template:
             raise ValidationError("this model has no chat template; use /v1/completions", param="messages")
+        if self.content_as_parts:
+            messages = [_as_text_parts(message) for message in messages]
         try:
             rendered, _ = render_jinja_template(
                 conversations=[messages],

@@ -155,6 +155,37 @@ def test_warming_up_a_chat_template_that_refuses_a_lone_user_message(tokenizer) 
     RouterTokenizer(tokenizer.tokenizer).warm_up_chat_template()  # no template: nothing to render
 
 
+# Processor templates of multimodal models read content as a list of parts (Llava's only so).
+LIST_ONLY_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}; {% endfor %}"
+)
+EITHER_TEMPLATE = (
+    "{% for m in messages %}{% if m.content is string %}{{ m.content }}{% else %}"
+    "{% for part in m.content %}{{ part.text }}{% endfor %}{% endif %}|{% endfor %}"
+)
+
+
+@pytest.mark.parametrize(
+    "template,expected",
+    [(LIST_ONLY_TEMPLATE, "system: Be brief.; user: Hi there; "), (EITHER_TEMPLATE, "Be brief.|Hi there|")],
+    ids=["list-only", "either"],
+)
+def test_templates_that_loop_over_content_get_text_parts(tokenizer, template, expected) -> None:
+    chat = RouterTokenizer(tokenizer.tokenizer, chat_template=template)
+    assert chat.content_as_parts
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    assert chat.chat_prompt(messages) == expected
+
+
+def test_templates_that_print_content_get_strings(tokenizer) -> None:
+    chat = RouterTokenizer(
+        tokenizer.tokenizer, chat_template="{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    )
+    assert not chat.content_as_parts
+    assert chat.chat_prompt([{"role": "user", "content": "Hi"}]) == "[Hi]"
+
+
 def test_the_token_limits_default_to_what_the_kv_pool_holds_when_that_is_less() -> None:
     assert RouterConfig().resolve(8192, 4096).total_limit == 4096  # the pool holds 4,096 tokens
     assert RouterConfig().resolve(8192, 4096).input_limit == 4095

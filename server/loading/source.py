@@ -97,6 +97,13 @@ def load_tokenizer(source: ModelSource, trust_remote_code: bool = False) -> Any:
         raise ModelLoadError(f"cannot load the tokenizer of {source.display_name}: {exc}") from exc
     if source.gguf_file is not None:
         fix_gguf_tokenizer(tokenizer, source.directory / source.gguf_file)
+    processor_template = source.directory / "chat_template.json"
+    if not getattr(tokenizer, "chat_template", None) and processor_template.is_file():
+        # Multimodal checkpoints may keep the chat template only with their processor, which
+        # AutoTokenizer does not read; transformers' AutoProcessor reads it from this file.
+        tokenizer.chat_template = json.loads(processor_template.read_text(encoding="utf-8")).get(
+            "chat_template"
+        )
     return tokenizer
 
 

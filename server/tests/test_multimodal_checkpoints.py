@@ -10,6 +10,7 @@ import pytest
 import transformers
 from transformers import AutoConfig
 
+from tgserve.router.tokenization import RouterTokenizer
 from tgserve.server.config.engine_args import EngineArgs
 from tgserve.server.engine.llm_engine import LLMEngine
 from tgserve.server.loading.language_model import (
@@ -17,9 +18,10 @@ from tgserve.server.loading.language_model import (
     language_model_key_mapping,
     language_model_weights,
 )
-from tgserve.server.loading.source import ModelSource
+from tgserve.server.loading.source import ModelSource, load_tokenizer
 from tgserve.server.models.registry import UnsupportedModelError
 from tgserve.server.testing.arch_sweep import saved_tiny_multimodal_model
+from tgserve.server.testing.fixtures import _tokenizer_dir, default_cache_dir
 
 from .parity import assert_scenario_parity, build_requests
 
@@ -85,3 +87,23 @@ def test_llama_4s_language_model_gives_its_text_class_tokens(tmp_path):
     assert_scenario_parity(
         engine, text_model.float().eval(), build_requests(engine.vocab_size, PROMPT_LENGTHS)
     )
+
+
+def test_a_processors_chat_template_reaches_the_router_and_gets_text_parts(tmp_path):
+    """Multimodal checkpoints may keep their chat template only in the processor's
+    chat_template.json, often one that loops over content parts (here Llava's kind, lists only)."""
+    source, saved = tmp_path / "model", tmp_path / "router"
+    source.mkdir()
+    tokenizer_dir = _tokenizer_dir(default_cache_dir())
+    config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (source / "tokenizer_config.json").write_text(json.dumps(config))
+    (source / "tokenizer.json").write_text((tokenizer_dir / "tokenizer.json").read_text())
+    template = (
+        "{% for message in messages %}<{{ message['role'] }}>{% for part in message['content'] %}"
+        "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endfor %}"
+    )
+    (source / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    load_tokenizer(ModelSource(source)).save_pretrained(saved)
+    router_tokenizer = RouterTokenizer.from_directory(saved)
+    assert router_tokenizer.chat_prompt([{"role": "user", "content": "Hi"}]) == "<user>Hi"
