@@ -37,7 +37,7 @@ def language_model_config(config: Any, source: ModelSource) -> Any | None:
     class transformers names for its type; None for a text model (or a GGUF file, always text)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from tgserve.server.models.registry import UnsupportedModelError
+    from tgserve.server.models.registry import UnsupportedModelError, check_not_a_draft_model
 
     get_text_config = getattr(config, "get_text_config", None)
     if source.gguf_file is not None or get_text_config is None:
@@ -45,6 +45,8 @@ def language_model_config(config: Any, source: ModelSource) -> Any | None:
     text = get_text_config()
     if text is config or text is None:
         return None
+    # A draft model with a text config of its own is still a draft model: named before its type goes.
+    check_not_a_draft_model(config, (getattr(config, "architectures", None) or [config.model_type])[0])
     causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(text.model_type) or _text_class_of(config, text)
     if causal is None:
         raise UnsupportedModelError(

@@ -89,10 +89,11 @@ NOT_ONE_ATTENTION_A_LAYER = {
 
 # Draft models of speculative decoding that attend over their target model's keys and values: served
 # alone, there are none to attend over.
-NEEDS_A_TARGET_MODEL = {
-    "gemma4_assistant": "a draft model of Gemma 4's speculative decoding: it attends over its target model's "
-    "keys and values, which it does not compute itself"
-}
+_GEMMA_4_DRAFT = (
+    "a draft model of Gemma 4's speculative decoding: it attends over its target model's keys and values, "
+    "which it does not compute itself"
+)
+NEEDS_A_TARGET_MODEL = {"gemma4_assistant": _GEMMA_4_DRAFT, "gemma4_unified_assistant": _GEMMA_4_DRAFT}
 
 # Settings a model type cannot run without, in transformers as here, and what each is: named when the
 # model loads rather than by the first forward's error.
@@ -128,8 +129,8 @@ def check_not_a_draft_model(config: Any, architecture: str) -> None:
 def state_beside_keys_and_values(config: Any) -> str | None:
     """Why a model's layers keep state other than softmax attention's keys and values (state-space,
     linear or compressed attention, convolutions, differential attention), or None. The paged
-    cache cannot hold that state, so such a model is served by recomputation
-    (`recompute_fallback.py`): each token a forward over its whole sequence."""
+    cache cannot hold that state, so such a model runs with transformers' own cache, kept per
+    sequence between steps (`recompute_fallback.py`, `kept_states.py`)."""
     try:  # read apart from the rest: a heterogeneous config (Dots3) gives its layer kinds alone
         layer_types = getattr(config, "layer_types", None)
     except Exception:  # noqa: BLE001

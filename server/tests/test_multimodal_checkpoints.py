@@ -107,3 +107,10 @@ def test_a_processors_chat_template_reaches_the_router_and_gets_text_parts(tmp_p
     load_tokenizer(ModelSource(source)).save_pretrained(saved)
     router_tokenizer = RouterTokenizer.from_directory(saved)
     assert router_tokenizer.chat_prompt([{"role": "user", "content": "Hi"}]) == "<user>Hi"
+
+
+def test_a_draft_model_with_a_text_config_is_refused_as_a_draft(tmp_path):
+    config = AutoConfig.for_model("gemma4_unified_assistant")  # Gemma 4 unified's draft model
+    (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
+    with pytest.raises(UnsupportedModelError, match="draft model"):
+        language_model_config(config, ModelSource(tmp_path))
