@@ -168,12 +168,7 @@ def load_fallback_model(
         )  # fmt: skip
     else:
         with torch.device(device):
-            hf_model = model_class.from_config(
-                config,
-                trust_remote_code=trust_remote_code,
-                attn_implementation=attention,
-                **dtype_kwargs(dtype),
-            )
+            hf_model = _built_from_config(model_class, config, trust_remote_code, attention, dtype)
         fill_weights(hf_model)
     refuse_unsupported_attention(hf_model, device)
     hf_model = hf_model.to(device).eval()
@@ -199,6 +194,20 @@ def _causal_lm_class(config: Any) -> Any:
         return AutoModelForCausalLM
     named = getattr(transformers, config.architectures[0], None)
     return AutoModelForCausalLM if named is None else named
+
+
+def _built_from_config(
+    model_class: Any, config: Any, trust_remote_code: bool, attention: str | None, dtype: torch.dtype
+) -> nn.Module:
+    """The model of `config` with no weights read. A named class has no public `from_config`: the
+    auto classes' calls its `_from_config`, as here."""
+    from transformers import AutoModelForCausalLM
+
+    if model_class is AutoModelForCausalLM:
+        return AutoModelForCausalLM.from_config(
+            config, trust_remote_code=trust_remote_code, attn_implementation=attention, **dtype_kwargs(dtype)
+        )
+    return model_class._from_config(config, attn_implementation=attention, **dtype_kwargs(dtype))
 
 
 def refuse_unsupported_attention(hf_model: nn.Module, device: torch.device) -> None:

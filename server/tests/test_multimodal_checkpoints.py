@@ -20,6 +20,7 @@ from tgserve.server.loading.language_model import (
 )
 from tgserve.server.loading.source import ModelSource, load_tokenizer
 from tgserve.server.models.registry import UnsupportedModelError
+from tgserve.server.protocol.params import SamplingParams
 from tgserve.server.testing.arch_sweep import saved_tiny_multimodal_model
 from tgserve.server.testing.fixtures import _tokenizer_dir, default_cache_dir
 
@@ -114,3 +115,16 @@ def test_a_draft_model_with_a_text_config_is_refused_as_a_draft(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
     with pytest.raises(UnsupportedModelError, match="draft model"):
         language_model_config(config, ModelSource(tmp_path))
+
+
+def test_a_multimodal_checkpoints_language_model_loads_with_dummy_weights(tmp_path):
+    """load_format "dummy" builds the text class from the config alone: Mllama's is named by its
+    composite type only (no auto class for its text config)."""
+    saved_tiny_multimodal_model("mllama", "MllamaForConditionalGeneration", tmp_path)
+    engine = LLMEngine(EngineArgs(model=str(tmp_path), load_format="dummy", **TIGHT))
+    assert type(engine.shard.forward.model.hf_model).__name__ == "MllamaForCausalLM"
+    engine.add_request("r", [5, 6, 7, 8], SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True))
+    tokens = []
+    while engine.has_unfinished_requests():
+        tokens += [t for out in engine.step() for t in out.new_token_ids]
+    assert len(tokens) == 3
