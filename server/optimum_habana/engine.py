@@ -25,15 +25,17 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
 from tgserve.server.config.engine_args import EngineArgs
 from tgserve.server.core.request import FinishReason, Request, RequestStatus
 from tgserve.server.core.step_timing import StepClock, step_kind
+from tgserve.server.kv_cache.spec import layer_sliding_windows
 from tgserve.server.loading.description import ModelDescription, eos_token_ids, load_model_description
 from tgserve.server.loading.source import load_tokenizer
-from tgserve.server.models.registry import architecture_name, check_supported
+from tgserve.server.models.registry import UnsupportedModelError, architecture_name, check_supported
 from tgserve.server.protocol.outputs import EngineStats, RequestOutput, TokenLogprob
 from tgserve.server.protocol.params import InvalidRequestError, SamplingParams
 from tgserve.server.sampling.sampler import Sampler
@@ -44,6 +46,22 @@ from .static_batch import StaticBatch, prompt_buckets
 from .static_requests import output_delta, prompt_logprobs, sampling_row, validate_prompt
 
 logger = logging.getLogger(__name__)
+
+
+def check_windows_fit(config: Any, width: int) -> None:
+    """Refuse sliding-window attention narrower than the static rows. A row keeps its keys at fixed
+    columns of the static width, the unused ones masked, and a decode step's token comes after all
+    of them; transformers' sliding-window masks count columns, not positions, so a window that does
+    not reach across the width would hide the row's own recent tokens (on CPU: Mistral with a
+    16-token window over rows of 24 gives other tokens from its third step on). Rows of at most the
+    window less one position are exact."""
+    windows = [window for window in layer_sliding_windows(config) if window is not None]
+    if windows and width > min(windows) - 1:
+        raise UnsupportedModelError(
+            f"{architecture_name(config)}: sliding-window attention ({min(windows)} tokens) over static rows of "
+            f"{width} positions: the optimum-habana fallback would mask a row's own recent tokens; serve it "
+            f"with --max-total-tokens {min(windows) - 1} or less"
+        )
 
 
 class StaticBatchEngine:
@@ -65,6 +83,7 @@ class StaticBatchEngine:
         self.device, self.dtype, self.source = described.device, described.dtype, described.source
         self.config, self.max_model_len = described.config, described.max_model_len
         check_supported(architecture_name(self.config), args.trust_remote_code)
+        check_windows_fit(self.config, self.max_model_len)
         self.args = dataclasses.replace(args, block_size=self.max_model_len)  # one row, one block
         self.max_pool_tokens = self.max_model_len  # a request's row holds the model's whole length
         self.model_id = args.model or "HuggingFaceTB/SmolLM2-135M-Instruct"

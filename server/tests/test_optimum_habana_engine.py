@@ -18,6 +18,7 @@ off, the shape log counts every shape served as new (so the check can fail).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 from collections import defaultdict
@@ -35,6 +36,7 @@ from tgserve.server.engine.llm import LLM
 from tgserve.server.engine.llm_engine import LLMEngine
 from tgserve.server.loading.description import load_model_description
 from tgserve.server.loading.hf_compat import dtype_kwargs
+from tgserve.server.models.registry import UnsupportedModelError
 from tgserve.server.optimum_habana.cache_layouts import FusedMultiQuery, PerLayerKV
 from tgserve.server.optimum_habana.engine import StaticBatchEngine
 from tgserve.server.optimum_habana.fallback_model import fallback_needed
@@ -42,6 +44,7 @@ from tgserve.server.optimum_habana.static_batch import prompt_buckets
 from tgserve.server.protocol.outputs import RequestOutput
 from tgserve.server.protocol.params import InvalidRequestError, SamplingParams
 from tgserve.server.static_shapes.padding import ShapeLog
+from tgserve.server.testing.arch_sweep import saved_tiny_model
 from tgserve.server.testing.fixtures import CHECK_PROMPTS, fixture_path, single_threaded_torch
 
 from .parity import reference_greedy
@@ -341,3 +344,23 @@ def test_the_engine_process_describes_it_as_rows_of_one_block() -> None:
     ready = ready_message(static_engine("gpt2"), "")
     assert (ready.max_model_len, ready.num_total_blocks, ready.block_size) == (MAX_LEN, ROWS, MAX_LEN)
     assert ready.device == "cpu" and ready.dtype == "float32" and ready.eos_token_ids
+
+
+def test_sliding_windows_narrower_than_the_rows_are_refused_and_narrow_rows_are_exact(tmp_path) -> None:
+    """transformers' sliding-window masks count the static rows' columns, not positions (a decode
+    token sits after the whole width): a window that does not span the rows is refused by name."""
+    hf_model = saved_tiny_model("mistral", "MistralForCausalLM", tmp_path)  # a 16-token window
+    assert hf_model.config.sliding_window == 16
+    wide = EngineArgs(model=str(tmp_path), device="cpu", max_num_seqs=2, max_model_len=24, static_shapes=True)
+    with pytest.raises(
+        UnsupportedModelError, match=r"sliding-window attention \(16 tokens\).*--max-total-tokens 15"
+    ):
+        StaticBatchEngine(wide, load_model_description(wide))
+    narrow = dataclasses.replace(wide, max_model_len=15)
+    engine = StaticBatchEngine(narrow, load_model_description(narrow))
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    engine.add_request("r", prompt, greedy(7, ignore_eos=True))
+    tokens = []
+    while engine.has_unfinished_requests():
+        tokens += [token for out in engine.step() for token in out.new_token_ids]
+    assert tokens == reference_greedy(hf_model, prompt, 7)
