@@ -59,9 +59,9 @@ class LLMEngine:
         self.model_id = args.model or "HuggingFaceTB/SmolLM2-135M-Instruct"
         self.tokenizer = load_tokenizer(self.source, args.trust_remote_code)
         self.eos_token_ids = eos_token_ids(self.config, self.tokenizer, self.source)
-        self.vocab_size = int(self.config.vocab_size)
         self.tp, self.workers = self._join_shards()
-        self.shard = build_shard(args, described, self.device, self.tp)
+        self.shard = build_shard(args, described, self.device, self.tp)  # refuses what it cannot serve
+        self.vocab_size = int(self.config.vocab_size)
         self.runner, self.num_blocks = self.shard.runner, self.shard.num_blocks
         self.runner.guided = GuidedMatchers(
             lambda: (self.tokenizer, self.eos_token_ids),

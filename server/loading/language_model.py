@@ -19,6 +19,7 @@ import re
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from tgserve.server.loading.errors import ModelLoadError
 from tgserve.server.loading.source import ModelSource
 
 # Checkpoint prefix -> the text causal LM's, in the order tried.
@@ -33,25 +34,26 @@ SHARED_SETTINGS = ("tie_word_embeddings", "quantization_config")
 
 
 def language_model_config(config: Any, source: ModelSource) -> Any | None:
-    """The language model's config of a multimodal checkpoint, its `architectures` the causal-LM
-    class transformers names for its type; None for a text model (or a GGUF file, always text)."""
+    """The language model's config of a multimodal checkpoint (one published as a multimodal class,
+    `is_multimodal_class`), its `architectures` the causal-LM class transformers names for its
+    type; None for any other (a text model, a GGUF file, or a causal LM of a composite config such
+    as a draft model, which the registry judges as it is)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    from tgserve.server.models.registry import UnsupportedModelError, check_not_a_draft_model
 
     get_text_config = getattr(config, "get_text_config", None)
     if source.gguf_file is not None or get_text_config is None:
         return None
     text = get_text_config()
-    if text is config or text is None:
+    published = (
+        getattr(config, "architectures", None) or [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)]
+    )[0]
+    if text is config or text is None or not is_multimodal_class(published):
         return None
-    # A draft model with a text config of its own is still a draft model: named before its type goes.
-    check_not_a_draft_model(config, (getattr(config, "architectures", None) or [config.model_type])[0])
     causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(text.model_type) or _text_class_of(config, text)
     if causal is None:
-        raise UnsupportedModelError(
-            f"{type(config).__name__} is a multimodal model whose language model ({text.model_type!r}) "
-            "transformers has no causal-LM class for; it cannot be served for text alone"
+        raise ModelLoadError(
+            f"{published} is a multimodal model whose language model ({text.model_type!r}) transformers has "
+            "no causal-LM class for; it cannot be served for text alone"
         )
     text.architectures = [causal]
     stated = json.loads((source.directory / "config.json").read_text())
@@ -59,6 +61,17 @@ def language_model_config(config: Any, source: ModelSource) -> Any | None:
         if name in stated:
             setattr(text, name, stated[name])
     return text
+
+
+def is_multimodal_class(name: str | None) -> bool:
+    """Whether transformers' class `name` is a multimodal one (image-text-to-text, or a conditional
+    generation class over a composite config), whose language model is served for text."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return bool(name) and (
+        name.endswith("ForConditionalGeneration")
+        or name in set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.values())
+    )
 
 
 def _text_class_of(config: Any, text: Any) -> str | None:

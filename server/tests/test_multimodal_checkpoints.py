@@ -13,6 +13,7 @@ from transformers import AutoConfig
 from tgserve.router.tokenization import RouterTokenizer
 from tgserve.server.config.engine_args import EngineArgs
 from tgserve.server.engine.llm_engine import LLMEngine
+from tgserve.server.loading.errors import ModelLoadError
 from tgserve.server.loading.language_model import (
     language_model_config,
     language_model_key_mapping,
@@ -21,7 +22,7 @@ from tgserve.server.loading.language_model import (
 from tgserve.server.loading.source import ModelSource, load_tokenizer
 from tgserve.server.models.registry import UnsupportedModelError
 from tgserve.server.protocol.params import SamplingParams
-from tgserve.server.testing.arch_sweep import saved_tiny_multimodal_model
+from tgserve.server.testing.arch_sweep import copy_tokenizer, saved_tiny_multimodal_model
 from tgserve.server.testing.fixtures import _tokenizer_dir, default_cache_dir
 
 from .parity import assert_scenario_parity, build_requests
@@ -65,8 +66,9 @@ def test_language_model_weights_take_either_layout_and_leave_the_vision_tower_ou
 
 def test_a_language_model_without_a_causal_lm_class_is_refused_by_name(tmp_path):
     config = AutoConfig.for_model("qwen2_5_vl")  # its text model (M-RoPE Qwen2) has no causal-LM class
+    config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
     (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
-    with pytest.raises(UnsupportedModelError, match="qwen2_5_vl_text"):
+    with pytest.raises(ModelLoadError, match="qwen2_5_vl_text"):
         language_model_config(config, ModelSource(tmp_path))
 
 
@@ -110,11 +112,14 @@ def test_a_processors_chat_template_reaches_the_router_and_gets_text_parts(tmp_p
     assert router_tokenizer.chat_prompt([{"role": "user", "content": "Hi"}]) == "<user>Hi"
 
 
-def test_a_draft_model_with_a_text_config_is_refused_as_a_draft(tmp_path):
+def test_a_draft_model_with_a_text_config_is_left_to_the_registry_which_refuses_it(tmp_path):
     config = AutoConfig.for_model("gemma4_unified_assistant")  # Gemma 4 unified's draft model
+    config.architectures = ["Gemma4UnifiedAssistantForCausalLM"]  # a causal LM of the composite config
     (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
+    assert language_model_config(config, ModelSource(tmp_path)) is None
+    copy_tokenizer(_tokenizer_dir(default_cache_dir()), tmp_path)
     with pytest.raises(UnsupportedModelError, match="draft model"):
-        language_model_config(config, ModelSource(tmp_path))
+        LLMEngine(EngineArgs(model=str(tmp_path), load_format="dummy", device="cpu"))
 
 
 def test_a_multimodal_checkpoints_language_model_loads_with_dummy_weights(tmp_path):
