@@ -240,7 +240,7 @@ class ModelShard:
         self.kept_states.clear()
         if not given:
             blocks = min(blocks, args.max_num_seqs * -(-self.max_model_len // args.block_size))
-        pool_bytes = blocks * sum(spec.bytes_per_block(args.block_size) for spec in self.specs)
+        pool_bytes = blocks * self.device_block_bytes
         self.kept_states.max_states = 2 * args.max_num_seqs
         self.kept_states.max_bytes = max(0, budget - pool_bytes)
         logger.info("kept sequence states: at most %d, %.2f GiB", self.kept_states.max_states,

@@ -12,6 +12,7 @@ uncached forward (`continuation_error`) is recomputed instead.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -23,10 +24,12 @@ from torch import nn
 GenerationKwargs = dict[str, Any]
 
 
-def _base_parameters() -> set[str]:
+@functools.cache
+def _base_parameters() -> frozenset[str]:
+    """The generation API's parameters, read once: a step asks on every decode row."""
     from transformers.generation.utils import GenerationMixin
 
-    return set(inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters)
+    return frozenset(inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters)
 
 
 def start_generation(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, GenerationKwargs]:

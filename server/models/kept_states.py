@@ -1,7 +1,7 @@
 """State kept between steps for models whose layers hold state besides keys and values.
 
-Such models (Mamba, RWKV, linear-attention and convolutional hybrids) are served by recomputation
-(`recompute_fallback.py`): the paged cache keeps each sequence's token ids. Recomputing the whole
+Such models (Mamba, RWKV, linear-attention and convolutional hybrids) run through
+`recompute_fallback.py`: the paged cache keeps each sequence's token ids. Recomputing the whole
 sequence for every token is correct but costs a forward over the sequence a step. transformers'
 own cache object, after a forward over a sequence's tokens, is the state that lets the next token
 cost one token's forward, exactly as `generate` runs. So it is kept here, keyed by the tokens it was
@@ -28,8 +28,16 @@ def token_key(ids: torch.Tensor) -> TokenKey:
     """A key for a token sequence (int64 ids on the CPU): its length and a 128-bit digest of its
     ids, so a kept state is found only by the tokens it was built from (a digest, not the ids
     themselves: a key is kept per sequence, and sequences may be long)."""
-    digest = hashlib.blake2b(ids.numpy().tobytes(), digest_size=16)
-    return ids.numel(), digest.digest()
+    return prefix_and_whole_keys(ids)[1]
+
+
+def prefix_and_whole_keys(ids: torch.Tensor) -> tuple[TokenKey, TokenKey]:
+    """`token_key` of all but the last id and of all of them, the ids read once: the key a step
+    looks its state up by, and the one it keeps the continued state under."""
+    digest = hashlib.blake2b(ids[:-1].numpy().tobytes(), digest_size=16)
+    prefix = (ids.numel() - 1, digest.digest())
+    digest.update(ids[-1:].numpy().tobytes())
+    return prefix, (ids.numel(), digest.digest())
 
 
 def state_bytes(state: Any) -> int:

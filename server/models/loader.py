@@ -138,11 +138,10 @@ def _checkpoint_weights(
     source: ModelSource, config: Any, device: torch.device, allow_pickle: bool
 ) -> Iterator[tuple[str, torch.Tensor]]:
     if source.gguf_file is None:
+        keep = is_language_model_weight if source.language_model_only else None
+        weights = iter_safetensors(safetensors_files(source, allow_pickle), device, keep=keep)
         if source.language_model_only:
-            files = safetensors_files(source, allow_pickle)
-            weights = language_model_weights(iter_safetensors(files, device, keep=is_language_model_weight))
-        else:
-            weights = iter_safetensors(safetensors_files(source, allow_pickle), device)
+            weights = language_model_weights(weights)
         return renamed_checkpoint_weights(weights, getattr(config, "model_type", ""))
     return _gguf_weights(source, config)
 

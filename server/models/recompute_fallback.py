@@ -4,7 +4,7 @@ Two kinds: models whose forward takes no cache (GPT-1, XLM, XLNet, CPM-Ant), and
 layers keep state besides softmax attention's keys and values, which the paged cache cannot hold
 (Mamba, RWKV, linear-attention hybrids such as Qwen3.5 and Jamba, convolutional ones such as LFM2:
 `registry.state_beside_keys_and_values`). These keep their state in transformers' own cache
-when transformers generates; served here, their state is recomputed from the tokens each step.
+when transformers generates; served here, they keep it too (below).
 
 transformers generates with a model of the first kind by running it over the whole sequence for
 every token (XLM and XLNet through inputs of their own, a mask token or a permutation mask appended by their
@@ -31,7 +31,7 @@ from torch import nn
 from tgserve.server.attention.forward_context import get_forward_context
 from tgserve.server.kv_cache.spec import KVCacheSpec
 from tgserve.server.models.generation_steps import continuation_error, continue_generation, start_generation
-from tgserve.server.models.kept_states import KeptStates, token_key
+from tgserve.server.models.kept_states import KeptStates, prefix_and_whole_keys
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +99,8 @@ class RecomputingFallbackModel(nn.Module):
         token where there is one, else by a forward over them all (which keeps its state)."""
         if self.kept_states is None:
             return self._last_logits(tokens)
-        ids = tokens.cpu()
-        state = self.kept_states.take(token_key(ids[:-1]))
+        prefix_key, key = prefix_and_whole_keys(tokens.cpu())
+        state = self.kept_states.take(prefix_key)
         try:
             if state is None:
                 logits, state = start_generation(self.hf_model, tokens[None])
@@ -112,7 +112,7 @@ class RecomputingFallbackModel(nn.Module):
             del state
             self.kept_states.clear()
             return self._last_logits(tokens)
-        self.kept_states.keep(token_key(ids), state)
+        self.kept_states.keep(key, state)
         return logits
 
     def _kept_states(self) -> KeptStates | None:

@@ -12,7 +12,7 @@ from tgserve.server.config.engine_args import EngineArgs
 from tgserve.server.engine.llm_engine import LLMEngine
 from tgserve.server.models import recompute_fallback
 from tgserve.server.models.generation_steps import continuation_error, continue_generation
-from tgserve.server.models.kept_states import KeptStates, state_bytes, token_key
+from tgserve.server.models.kept_states import KeptStates, prefix_and_whole_keys, state_bytes, token_key
 from tgserve.server.models.recompute_fallback import CONTINUATION_TOLERANCE
 from tgserve.server.testing.arch_sweep import CHECKPOINT_SETTINGS, saved_tiny_model
 
@@ -39,6 +39,12 @@ def test_a_kept_state_is_found_only_by_its_tokens_and_taken_once():
     assert {kept.take(_key(1, 2, 3)), kept.take(_key(1, 2, 3))} == {"abc", "abc again"}
     assert kept.take(_key(1, 2, 3)) is None
     assert (kept.hits, kept.misses, len(kept)) == (2, 3, 0)
+
+
+def test_a_rows_two_keys_are_those_of_its_prefix_and_of_all_its_tokens():
+    ids = torch.tensor([7, 3, 9, 4], dtype=torch.int64)
+    assert prefix_and_whole_keys(ids) == (token_key(ids[:-1]), token_key(ids))
+    assert token_key(ids[:-1]) != token_key(torch.tensor([7, 3, 8], dtype=torch.int64))
 
 
 def test_kept_states_evict_the_oldest_past_their_count_or_bytes():
