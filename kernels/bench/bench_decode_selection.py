@@ -9,12 +9,14 @@ from __future__ import annotations
 import argparse
 
 import torch
+from bench_decode_splits import CACHE_DTYPES  # this folder's cache dtypes
 from bench_gemv import graph_us  # this folder's graph timing
 
 from tgserve.kernels import dispatch
 from tgserve.kernels.block_scores import block_scores, candidate_scores
 from tgserve.kernels.decode_selection import DecodeSelection, choose_blocks
 from tgserve.kernels.paged_decode import paged_decode
+from tgserve.kernels.testing import quantized_cache
 
 
 def graphed_us(fn, layers: int = 32, replays: int = 20) -> float:
@@ -22,15 +24,14 @@ def graphed_us(fn, layers: int = 32, replays: int = 20) -> float:
     return graph_us([fn] * layers, replays)
 
 
-def measure(context: int, selection: DecodeSelection, fp8: bool) -> str:
-    """One context's table row."""
+def measure(context: int, selection: DecodeSelection, cache_dtype: torch.dtype) -> str:
+    """One context's table row, the cache stored as `cache_dtype` (8-bit: as the pool stores it)."""
     dev, bs, heads, kv_heads, dim = "cuda", 16, 32, 8, 128
     blocks = context // bs
     cache = torch.randn(2, blocks, bs, kv_heads, dim, device=dev, dtype=torch.bfloat16)
     scale = None
-    if fp8:
-        cache = cache.to(torch.float8_e4m3fn)
-        scale = torch.ones(2, blocks, kv_heads, bs, device=dev)
+    if cache_dtype != torch.bfloat16:
+        cache, scale = quantized_cache(cache, cache_dtype)
     summary = torch.randn(2, blocks, kv_heads, dim, device=dev, dtype=torch.bfloat16).sort(0).values
     table = torch.randperm(blocks, device=dev, dtype=torch.int32)[None]
     seq_lens = torch.tensor([context], device=dev, dtype=torch.int32)
@@ -86,7 +87,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--contexts", type=int, nargs="+", default=[131072, 524288, 1048576])
     parser.add_argument("--budget", type=int, default=4096)
-    parser.add_argument("--fp8", action="store_true")
+    parser.add_argument("--kv-cache-dtype", choices=CACHE_DTYPES, default="bf16")
     parser.add_argument(
         "--sweep", action="store_true", help="the block-score kernel's tiles at the last context"
     )
@@ -99,7 +100,7 @@ def main() -> None:
           "| dense decode us | all selection us |")  # fmt: skip
     print("|---" * 8 + "|")
     for context in args.contexts:
-        print(measure(context, selection, args.fp8), flush=True)
+        print(measure(context, selection, CACHE_DTYPES[args.kv_cache_dtype]), flush=True)
         torch.cuda.empty_cache()
 
 

@@ -5,6 +5,7 @@ Two JSON shapes are accepted:
 * tgserve's own::
 
     {"block": 64, "last_q": 64, "min_seq_len": 32768, "range_max_len": 524288,
+     "tail_min_len": 65536, "tail_max_len": 524288,
      "default": {"kind": "vertical_slash", "vertical": 1000, "slash": 6096},
      "layers": {"0": {"3": {"kind": "a_shape", "sink": 128, "local": 2048}}}}
 
@@ -48,7 +49,9 @@ class HeadPattern:
                     (docs/benchmarks/2026-12-05-rescue-splits-cpu.md).
     tail            also attend to the key blocks the pattern skips, each summarised by its mean
                     key and value, as one extra key per query block (`tail.py`): the attention
-                    spread thinly over a long prompt, which no block choice holds.
+                    spread thinly over a long prompt, which no block choice holds. True or False
+                    for every length; None (the default) leaves it to the config's
+                    `tail_min_len` .. `tail_max_len` (`SparseConfig.head_patterns`).
     """
 
     kind: str = "vertical_slash"
@@ -59,7 +62,7 @@ class HeadPattern:
     blocks: int = 100
     rescue: int = 3
     rescue_range: int = 1
-    tail: bool = False
+    tail: bool | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -96,14 +99,30 @@ class SparseConfig:
     # one (H100, e4m3), ~7 s of a 1M-token prompt's ~35 s first token on an H200, against 14%
     # of the sparse total at 128K and 38% at 512K.
     range_max_len: int = 524288
+    # Prompts in this range fold in the tail of skipped blocks where a pattern leaves it unset. An
+    # H100's cost a layer (32 query / 8 KV heads): 1.0 ms at 32K, 1.2 at 64K, 2.0 at 128K (4% of
+    # sparse's 49 ms), 18.9 at 512K, 62 at 1M; at 32K sparse only ties cuDNN (12.8 ms), so the
+    # tail would make it slower than dense there, and at 1M it would add 2 s to a ~35 s first
+    # token. From 64K it lowered relative L2 on five of six structured families and changed
+    # none for the worse (docs/benchmarks/2026-12-06-sparse-tail-default-h100.md).
+    tail_min_len: int = 65536
+    tail_max_len: int = 524288
 
     def head_patterns(self, layer: int, num_heads: int, seq_len: int | None = None) -> list[HeadPattern]:
-        """The pattern of every query head of one layer (for a prompt of seq_len tokens)."""
+        """The pattern of every query head of one layer, as written, or for a prompt of seq_len
+        tokens: past range_max_len without the rescue block by the range, the tail resolved by
+        the length where the pattern leaves it unset."""
         per_head = self.layers.get(layer, {})
         patterns = [per_head.get(h, per_head.get(-1, self.default)) for h in range(num_heads)]
-        if seq_len is not None and seq_len > self.range_max_len:
-            return [p.without_range() if p.rescue_range else p for p in patterns]
-        return patterns
+        if seq_len is None:  # as written (an unset tail is off)
+            return patterns
+        if seq_len > self.range_max_len:
+            patterns = [p.without_range() if p.rescue_range else p for p in patterns]
+        tail = self.tail_min_len <= seq_len <= self.tail_max_len
+        return [p if p.tail is not None else replace(p, tail=tail) for p in patterns]
+
+
+SHARED_FIELDS = ("min_seq_len", "block", "last_q", "range_max_len", "tail_min_len", "tail_max_len")
 
 
 def _pattern(entry: dict[str, Any], base: HeadPattern) -> HeadPattern:
@@ -142,7 +161,7 @@ def parse_sparse_config(data: dict[str, Any] | list[Any]) -> SparseConfig:
         layers[int(layer)] = {-1: layer_default} | {
             int(h): _pattern(entry, layer_default) for h, entry in heads.items() if h != "default"
         }
-    shared = {k: int(data[k]) for k in ("min_seq_len", "block", "last_q", "range_max_len") if k in data}
+    shared = {k: int(data[k]) for k in SHARED_FIELDS if k in data}
     return SparseConfig(default=default, layers=layers, **shared)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -84,6 +85,25 @@ def test_a_prompt_past_range_max_len_is_estimated_without_the_range_block():
     without = sparse_prefill(q, k, v, 0.2, [pattern.without_range()] * 4, block=16)
     assert not torch.allclose(with_range, without, atol=1e-4), "the range block must matter here"
     assert torch.allclose(outs[n], with_range, atol=1e-6) and torch.allclose(outs[n - 1], without, atol=1e-6)
+
+
+def test_a_prompt_in_the_tail_range_folds_in_its_skipped_blocks():
+    """The engine's sparse step folds in the tail where the prompt's length is inside
+    tail_min_len .. tail_max_len and the pattern leaves it unset; outside, it runs without."""
+    gen = torch.Generator().manual_seed(5)
+    n = 200
+    q = torch.randn(n, 4, 32, generator=gen)
+    k, v = torch.randn(n, 2, 32, generator=gen), torch.randn(n, 2, 32, generator=gen)
+    cu, starts = torch.tensor([0, n], dtype=torch.int32), [0, n]
+    pattern = HeadPattern("vertical_slash", vertical=8, slash=32, sink=4, local=16, rescue=1)
+    outs = {}
+    for low in (n, n + 1):
+        config = SparseConfig(default=pattern, min_seq_len=128, block=16, tail_min_len=low)
+        outs[low] = dispatch.fresh_prefill(q, k, v, cu, starts, 0.2, sparse=config, layer=0)
+    with_tail = sparse_prefill(q, k, v, 0.2, [dataclasses.replace(pattern, tail=True)] * 4, block=16)
+    without = sparse_prefill(q, k, v, 0.2, [dataclasses.replace(pattern, tail=False)] * 4, block=16)
+    assert not torch.allclose(with_tail, without, atol=1e-4), "the tail must matter here"
+    assert torch.allclose(outs[n], with_tail, atol=1e-6) and torch.allclose(outs[n + 1], without, atol=1e-6)
 
 
 def test_skinny_path_takes_one_row_through_narrow_weights_only():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -85,8 +86,29 @@ def test_prompts_past_range_max_len_drop_their_blocks_by_the_range():
         }
     )
     assert config.range_max_len == 1000
-    assert config.head_patterns(0, 2, seq_len=1000) == config.head_patterns(0, 2)
+    written = [dataclasses.replace(p, tail=False) for p in config.head_patterns(0, 2)]  # 1000: no tail
+    assert config.head_patterns(0, 2, seq_len=1000) == written
     short, long = config.head_patterns(0, 2, seq_len=1000), config.head_patterns(0, 2, seq_len=1001)
     assert [(p.rescue, p.rescue_range) for p in long] == [(2, 0), (2, 0)]
     assert [p.kind for p in long] == [p.kind for p in short] == ["vertical_slash", "block_sparse"]
     assert load_sparse_config(None).range_max_len == 524288
+
+
+def test_the_tail_is_on_by_default_from_tail_min_len_to_tail_max_len():
+    """A pattern that leaves the tail unset folds it in for prompts of 64K to 512K tokens (below,
+    sparse only ties dense; above, it would add seconds to a 1M prompt's first token); a pattern
+    that sets it keeps it at every length; the config file moves the range."""
+    default = load_sparse_config(None)
+    assert (default.tail_min_len, default.tail_max_len) == (65536, 524288)
+    assert HeadPattern().tail is None and default.head_patterns(0, 1)[0].tail is None  # as written: off
+    by_length = {n: default.head_patterns(0, 1, seq_len=n)[0].tail for n in (65535, 65536, 524288, 524289)}
+    assert by_length == {65535: False, 65536: True, 524288: True, 524289: False}
+    config = parse_sparse_config(
+        {
+            "tail_min_len": 100,
+            "tail_max_len": 200,
+            "layers": {"0": {"1": {"tail": False}, "2": {"tail": True}}},
+        }
+    )
+    assert [p.tail for p in config.head_patterns(0, 3, seq_len=150)] == [True, False, True]
+    assert [p.tail for p in config.head_patterns(0, 3, seq_len=201)] == [False, False, True]
