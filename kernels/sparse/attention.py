@@ -13,7 +13,8 @@ import torch
 
 from tgserve.kernels import reference
 from tgserve.kernels.sparse import estimate
-from tgserve.kernels.sparse.config import KINDS, HeadPattern
+from tgserve.kernels.sparse.boxes import box_rescue_blocks
+from tgserve.kernels.sparse.config import KINDS, RESCUE_AGAINST, HeadPattern
 from tgserve.kernels.sparse.index import (
     SparseIndex,
     build_index,
@@ -36,33 +37,41 @@ def _scatter_rows(parts: list[tuple[list[int], torch.Tensor]], rows: int, fill: 
     return torch.cat(out, dim=-1)
 
 
+def _keys_rescue(key: torch.Tensor, scale: float, use_triton: bool):
+    """The rescue scored against every key: (its function, the keys it reads)."""
+    if use_triton:
+        from tgserve.kernels.sparse.pooled import rescue_blocks_triton, rescue_keys
+
+        return rescue_blocks_triton, rescue_keys(key)  # quantized once for both launches
+
+    def rescue_of(query, key, heads, *args, query_range=False):
+        return estimate.rescue_blocks(query, key, heads, scale, *args, query_range=query_range)
+
+    return rescue_of, key
+
+
 def _rescue(
     query: torch.Tensor, key: torch.Tensor, heads: list[int], patterns: list[HeadPattern], scale: float,
     block: int, cover: torch.Tensor, listed: torch.Tensor | None, columns: torch.Tensor | None, use_triton: bool,
 ) -> torch.Tensor:  # fmt: skip
     """[S, Q, K] rescue blocks of `heads`: those the block-mean query picks, then (rescue_range of
-    them) those the query block's range bound picks among the blocks still not held."""
-    if use_triton:
-        from tgserve.kernels.sparse.pooled import rescue_blocks_triton as rescue_of
-        from tgserve.kernels.sparse.pooled import rescue_keys
-
-        key = rescue_keys(key)  # quantized once for both launches
-    else:
-
-        def rescue_of(*args, query_range=False):
-            return estimate.rescue_blocks(*args[:3], scale, *args[3:], query_range=query_range)
-
+    them) those the query block's range bound picks among the blocks still not held. Every head
+    here scores alike (`estimate_index` groups them by `rescue_against`)."""
+    against = patterns[0].rescue_against
+    by_keys, keys = _keys_rescue(key, scale, use_triton)
+    mean_of, mean_keys = (box_rescue_blocks, key) if against == "boxes" else (by_keys, keys)
+    range_of, range_keys = (by_keys, keys) if against == "keys" else (box_rescue_blocks, key)
     mean_budget = [p.rescue - p.rescue_range for p in patterns]
     if not any(p.rescue_range for p in patterns):
-        return rescue_of(query, key, heads, block, cover, listed, columns, mean_budget)
+        return mean_of(query, mean_keys, heads, block, cover, listed, columns, mean_budget)
     if any(mean_budget):
-        by_mean = rescue_of(query, key, heads, block, cover, listed, columns, mean_budget)
+        by_mean = mean_of(query, mean_keys, heads, block, cover, listed, columns, mean_budget)
         held = by_mean if listed is None else torch.cat([listed, by_mean], dim=-1)
     else:  # every rescue block by the range: no mean pass to launch
         by_mean = torch.empty(len(heads), cover.shape[-1], 0, dtype=torch.long, device=query.device)
         held = listed
-    by_range = rescue_of(query, key, heads, block, cover, held, columns, [p.rescue_range for p in patterns],
-                         query_range=True)  # fmt: skip
+    by_range = range_of(query, range_keys, heads, block, cover, held, columns, [p.rescue_range for p in patterns],
+                        query_range=True)  # fmt: skip
     return torch.cat([by_mean, by_range], dim=-1)
 
 
@@ -130,14 +139,15 @@ def estimate_index(
         cover[estimate.head_index(vs, device)] = estimate.top_diagonals(diagonal, budget, forced)
     if bs := kinds["block_sparse"]:
         blocks.append((bs, _block_sparse(query, key, scale, bs, [patterns[h].blocks for h in bs], block)))
-    if rs := [h for h in kinds["vertical_slash"] + kinds["block_sparse"] if patterns[h].rescue > 0]:
-        listed = _scatter_rows(blocks, num_heads, -1)
-        columns = _scatter_rows(cols, num_heads, -1)
-        at = estimate.head_index(rs, device)
-        picks = _rescue(query, key, rs, [patterns[h] for h in rs], scale, block, cover[at],
-                        None if listed is None else listed[at], None if columns is None else columns[at],
-                        use_triton)  # fmt: skip
-        blocks.append((rs, estimate.share_neighbours(picks)))
+    rescued = [h for h in kinds["vertical_slash"] + kinds["block_sparse"] if patterns[h].rescue > 0]
+    listed, columns = _scatter_rows(blocks, num_heads, -1), _scatter_rows(cols, num_heads, -1)
+    for against in RESCUE_AGAINST:  # heads scored against keys, then those against boxes
+        if rs := [h for h in rescued if patterns[h].rescue_against == against]:
+            at = estimate.head_index(rs, device)
+            picks = _rescue(query, key, rs, [patterns[h] for h in rs], scale, block, cover[at],
+                            None if listed is None else listed[at], None if columns is None else columns[at],
+                            use_triton)  # fmt: skip
+            blocks.append((rs, estimate.share_neighbours(picks)))
     return build_index(
         n, block, cover, _scatter_rows(blocks, num_heads, -1), _scatter_rows(cols, num_heads, -1)
     )

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 KINDS = ("dense", "a_shape", "vertical_slash", "block_sparse")
+RESCUE_AGAINST = ("keys", "range-boxes", "boxes")
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,12 @@ class HeadPattern:
                     kept every needle on five of six structured families without losing the far
                     diagonals' mass that the mean-chosen blocks hold
                     (docs/benchmarks/2026-12-05-rescue-splits-cpu.md).
+    rescue_against  what the rescue scores a query block against: "keys", every key, max-pooled
+                    per key block ([Q, n] products); "boxes", each key block's box, its keys'
+                    per-coordinate largest and smallest values ([Q, Q] products, `boxes.py`);
+                    "range-boxes", keys for the blocks by the mean and boxes for those by the
+                    range (the mean's picks hold far diagonals' mass better against keys, the
+                    range's find needles as well against boxes, at 1/64 of the products).
     tail            also attend to the key blocks the pattern skips, each summarised by its mean
                     key and value, as one extra key per query block (`tail.py`): the attention
                     spread thinly over a long prompt, which no block choice holds. True or False
@@ -62,11 +69,16 @@ class HeadPattern:
     blocks: int = 100
     rescue: int = 3
     rescue_range: int = 1
+    rescue_against: str = "keys"
     tail: bool | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown sparse pattern {self.kind!r}; expected one of {KINDS}")
+        if self.rescue_against not in RESCUE_AGAINST:
+            raise ValueError(
+                f"unknown rescue_against {self.rescue_against!r}; expected one of {RESCUE_AGAINST}"
+            )
         if (
             min(self.vertical, self.slash, self.sink, self.local, self.blocks, self.rescue, self.rescue_range)
             < 0

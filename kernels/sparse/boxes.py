@@ -1,0 +1,118 @@
+"""Rescue blocks chosen by key-block boxes: a query block's bound against each key block's box.
+
+The rescue (`estimate.rescue_blocks`, `pooled.rescue_blocks_triton`) scores a query block's mean
+query, or its range bound, against every key and max-pools per key block: [Q, n] products, which
+grow with the square of the prompt (at 512K on an H100 the two passes are ~88 ms of a layer's
+~165). Here the keys of each key block are summarised first by their box, the per-coordinate
+largest and smallest value (less the head's columns, which pass 2 attends anyway), and a query
+block is scored against boxes: [Q, Q] products, 1/block of the work.
+
+For a query q and the box of keys k with midpoint m and half-width r (per coordinate), the largest
+q . k over the box is q . m + |q| . r: the mean query's bound. For the query block's own box
+(midpoint a, half-width b, `estimate.range_rows`), the largest over both boxes is at most
+a . m + |a| . r + b . |m| + b . r: the range bound, which keeps the whole logit of a key that a
+few of the block's queries seek (a needle). Each is one product of concatenated operands:
+[a, |a|, b, b] . [m, r, |m|, r]. A box bound is at least the max-pooled score of the same query
+side, so a block holding one salient key still ranks high; a block of keys spread along the query
+ranks higher than its best key would (the box is loose). On structured prompts the range bound
+against boxes kept every needle the keys' pass kept, and more; the mean query against boxes
+ranked far diagonals' blocks worse (rotating coordinates give every block a wide box), so the
+pattern's "range-boxes" scores only the range against boxes
+(docs/benchmarks/2026-12-06-rescue-by-boxes-cpu.md).
+
+On CUDA the products run in bf16 (ranking only, within a row); on the CPU in float32.
+Memory: the scores of every head in chunks of query blocks (256 MiB each).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tgserve.kernels.sparse.estimate import block_means, block_ranges, column_keys, host_values, range_rows
+
+CHUNK_SCORES = 1 << 26  # float32 scores a chunk of query blocks holds, all heads: 256 MiB
+
+
+def key_boxes(
+    key: torch.Tensor, kv_of: list[int], columns: torch.Tensor | None, block: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ([S, Q, d], [S, Q, d]): for each listed query head (reading KV head kv_of[s] of key
+    [n, Hkv, d]), each key block's per-coordinate midpoint and half-width of its keys, less the
+    head's columns (columns [S, C], -1 = none). A block of columns alone gets an empty box
+    (midpoint and half-width 0: scores 0, below any salient block).
+
+    The boxes of every KV head are taken once; only the blocks that hold one of a head's columns
+    are taken again for it, from their keys less the columns."""
+    n = key.shape[0]
+    high, low = (x.transpose(0, 1)[kv_of].float() for x in block_ranges(key, block))  # [S, Q, d] each
+    if columns is not None:
+        skips = column_keys(columns, n)  # [S, n]
+        within = torch.arange(block, device=key.device)
+        for s, kv in enumerate(kv_of):
+            at = torch.where((columns[s] >= 0) & (columns[s] < n), columns[s].long() // block, 0)  # [C]
+            positions = (at[:, None] * block + within).clamp(max=n - 1)  # [C, block]
+            keys = key[positions, kv].float()  # [C, block, d]
+            out = (skips[s][positions] | (at[:, None] * block + within >= n))[..., None]
+            high[s, at] = keys.masked_fill(out, float("-inf")).amax(1)
+            low[s, at] = keys.masked_fill(out, float("inf")).amin(1)
+        empty = torch.isinf(high)
+        high, low = high.masked_fill(empty, 0.0), low.masked_fill(empty, 0.0)
+    return (high + low) / 2, (high - low) / 2
+
+
+def bound_operands(
+    query: torch.Tensor, key: torch.Tensor, heads: list[int], block: int, columns: torch.Tensor | None,
+    query_range: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """float32 ([S, Q, m], [S, Q, m]) whose product, query block by key block, is the bound: the
+    mean query [q, |q|] against [box midpoint, half-width] (m = 2d), or the query block's range
+    [a, |a|, b, b] against [midpoint, half-width, |midpoint|, half-width] (m = 4d)."""
+    group = query.shape[1] // key.shape[1]
+    box_mid, box_radius = key_boxes(key, [h // group for h in heads], columns, block)
+    if query_range:
+        mid, radius = range_rows(query[:, heads], block)  # [S, Q, d]
+        queries = torch.cat([mid, mid.abs(), radius, radius], dim=-1)
+        return queries, torch.cat([box_mid, box_radius, box_mid.abs(), box_radius], dim=-1)
+    mean = block_means(query[:, heads], block).transpose(0, 1)  # [S, Q, d]
+    return torch.cat([mean, mean.abs()], dim=-1), torch.cat([box_mid, box_radius], dim=-1)
+
+
+def held_rows(cover: torch.Tensor, listed: torch.Tensor | None, rows: slice) -> torch.Tensor:
+    """bool [S, R, Q]: for the query blocks `rows`, the key blocks a pattern already holds (a
+    selected block diagonal in cover bool [S, Q], or listed [S, Q, b]) or cannot hold (after the
+    query block)."""
+    nq = cover.shape[-1]
+    i = torch.arange(rows.start, rows.stop, device=cover.device)[:, None]
+    j = torch.arange(nq, device=cover.device)[None, :]
+    held = cover[:, (i - j).clamp(min=0)] | (j > i)
+    if listed is not None:
+        picked = listed[:, rows].long()
+        taken = torch.zeros(*held.shape[:2], nq + 1, dtype=torch.bool, device=cover.device)
+        taken.scatter_(2, torch.where(picked >= 0, picked, nq), True)
+        held |= taken[..., :nq]
+    return held
+
+
+def box_rescue_blocks(
+    query: torch.Tensor, key: torch.Tensor, heads: list[int], block: int, cover: torch.Tensor,
+    listed: torch.Tensor | None, columns: torch.Tensor | None, budget: list[int], query_range: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    """[S, Q, K] rescue key blocks of the listed query heads by box bounds; the interface of
+    `estimate.rescue_blocks` (query [n, H, d], key [n, Hkv, d], cover bool [S, Q], listed [S, Q, b]
+    and columns [S, C] with -1 for none, K = max(budget))."""
+    nq, device = cover.shape[-1], query.device
+    width = max(1, min(nq, max(budget)))
+    dtype = torch.bfloat16 if query.is_cuda else torch.float32
+    queries, boxes = bound_operands(query, key, heads, block, columns, query_range)
+    queries, boxes = queries.to(dtype), boxes.to(dtype).transpose(1, 2)  # [S, Q, m], [S, m, Q]
+    limit = host_values(budget, device)[:, None, None]
+    out = torch.empty(len(heads), nq, width, dtype=torch.long, device=device)
+    chunk = max(1, CHUNK_SCORES // (nq * len(heads)))
+    for r0 in range(0, nq, chunk):
+        rows = slice(r0, min(nq, r0 + chunk))
+        scores = torch.bmm(queries[:, rows], boxes).float()  # [S, R, Q]
+        scores.masked_fill_(held_rows(cover, listed, rows), float("-inf"))
+        top = torch.topk(scores, width, dim=-1)
+        keep = (top.values > float("-inf")) & (torch.arange(width, device=device) < limit)
+        out[:, rows] = torch.where(keep, top.indices, -1)
+    return out
