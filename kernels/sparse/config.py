@@ -53,7 +53,8 @@ class HeadPattern:
                     per-coordinate largest and smallest values ([Q, Q] products, `boxes.py`);
                     "range-boxes", keys for the blocks by the mean and boxes for those by the
                     range (the mean's picks hold far diagonals' mass better against keys, the
-                    range's find needles as well against boxes, at 1/64 of the products).
+                    range's find needles as well or better against boxes, at 1/16 of the
+                    products, though in torch for now: slower than the keys' Triton pass).
     tail            also attend to the key blocks the pattern skips, each summarised by its mean
                     key and value, as one extra key per query block (`tail.py`): the attention
                     spread thinly over a long prompt, which no block choice holds. True or False
