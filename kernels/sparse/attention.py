@@ -58,7 +58,7 @@ def _rescue(
     them) those the query block's range bound picks among the blocks still not held. Every head
     here scores alike (`estimate_index` groups them by `rescue_against`)."""
     against = patterns[0].rescue_against
-    by_keys, keys = _keys_rescue(key, scale, use_triton)
+    by_keys, keys = (None, None) if against == "boxes" else _keys_rescue(key, scale, use_triton)
     mean_of, mean_keys = (box_rescue_blocks, key) if against == "boxes" else (by_keys, keys)
     range_of, range_keys = (by_keys, keys) if against == "keys" else (box_rescue_blocks, key)
     mean_budget = [p.rescue - p.rescue_range for p in patterns]
