@@ -32,7 +32,14 @@ from __future__ import annotations
 
 import torch
 
-from tgserve.kernels.sparse.estimate import block_means, block_ranges, column_keys, host_values, range_rows
+from tgserve.kernels.sparse.estimate import (
+    block_means,
+    block_ranges,
+    column_keys,
+    held_blocks,
+    range_rows,
+    top_blocks,
+)
 
 CHUNK_SCORES = 1 << 26  # float32 scores a chunk of query blocks holds, all heads: 256 MiB
 
@@ -81,22 +88,6 @@ def bound_operands(
     return torch.cat([mean, mean.abs()], dim=-1), torch.cat([box_mid, box_radius], dim=-1)
 
 
-def held_rows(cover: torch.Tensor, listed: torch.Tensor | None, rows: slice) -> torch.Tensor:
-    """bool [S, R, Q]: for the query blocks `rows`, the key blocks a pattern already holds (a
-    selected block diagonal in cover bool [S, Q], or listed [S, Q, b]) or cannot hold (after the
-    query block)."""
-    nq = cover.shape[-1]
-    i = torch.arange(rows.start, rows.stop, device=cover.device)[:, None]
-    j = torch.arange(nq, device=cover.device)[None, :]
-    held = cover[:, (i - j).clamp(min=0)] | (j > i)
-    if listed is not None:
-        picked = listed[:, rows].long()
-        taken = torch.zeros(*held.shape[:2], nq + 1, dtype=torch.bool, device=cover.device)
-        taken.scatter_(2, torch.where(picked >= 0, picked, nq), True)
-        held |= taken[..., :nq]
-    return held
-
-
 def box_rescue_blocks(
     query: torch.Tensor, key: torch.Tensor, heads: list[int], block: int, cover: torch.Tensor,
     listed: torch.Tensor | None, columns: torch.Tensor | None, budget: list[int], query_range: bool = False,
@@ -105,18 +96,16 @@ def box_rescue_blocks(
     `estimate.rescue_blocks` (query [n, H, d], key [n, Hkv, d], cover bool [S, Q], listed [S, Q, b]
     and columns [S, C] with -1 for none, K = max(budget))."""
     nq, device = cover.shape[-1], query.device
-    width = max(1, min(nq, max(budget)))
+    width = max(1, min(nq, max(budget)))  # top_blocks' width
     dtype = torch.bfloat16 if query.is_cuda else torch.float32
     queries, boxes = bound_operands(query, key, heads, block, columns, query_range)
     queries, boxes = queries.to(dtype), boxes.to(dtype).transpose(1, 2)  # [S, Q, m], [S, m, Q]
-    limit = host_values(budget, device)[:, None, None]
     out = torch.empty(len(heads), nq, width, dtype=torch.long, device=device)
     chunk = max(1, CHUNK_SCORES // (nq * len(heads)))
+    keys = torch.arange(nq, device=device)
     for r0 in range(0, nq, chunk):
         rows = slice(r0, min(nq, r0 + chunk))
         scores = torch.bmm(queries[:, rows], boxes).float()  # [S, R, Q]
-        scores.masked_fill_(held_rows(cover, listed, rows), float("-inf"))
-        top = torch.topk(scores, width, dim=-1)
-        keep = (top.values > float("-inf")) & (torch.arange(width, device=device) < limit)
-        out[:, rows] = torch.where(keep, top.indices, -1)
+        after = keys[None, :] > keys[rows, None]  # key blocks past the query block
+        out[:, rows] = top_blocks(scores, budget, exclude=held_blocks(cover, listed, rows) | after)
     return out

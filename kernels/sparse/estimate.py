@@ -270,14 +270,16 @@ def force_blocks(scores: torch.Tensor) -> torch.Tensor:
     return scores.masked_fill(forced & block_causal(nq, scores.device), float("inf"))
 
 
-def held_blocks(cover: torch.Tensor, listed: torch.Tensor | None) -> torch.Tensor:
-    """bool [G, Q, Q]: key blocks a pattern already holds (selected block diagonals, listed blocks)."""
+def held_blocks(cover: torch.Tensor, listed: torch.Tensor | None, rows: slice | None = None) -> torch.Tensor:
+    """bool [G, Q, Q]: key blocks a pattern already holds (selected block diagonals, listed blocks);
+    with `rows`, those query blocks' only ([G, R, Q])."""
     nq = cover.shape[-1]
+    rows = rows or slice(0, nq)
     i = torch.arange(nq, device=cover.device)
-    held = cover[:, (i[:, None] - i[None, :]).clamp(min=0)]
+    held = cover[:, (i[rows, None] - i[None, :]).clamp(min=0)]
     if listed is not None:
         taken = torch.zeros(*held.shape[:2], nq + 1, dtype=torch.bool, device=cover.device)
-        taken.scatter_(2, torch.where(listed >= 0, listed.long(), nq), True)
+        taken.scatter_(2, torch.where(listed[:, rows] >= 0, listed[:, rows].long(), nq), True)
         held |= taken[..., :nq]
     return held
 

@@ -102,4 +102,4 @@ def language_model_weights(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple
 def language_model_key_mapping() -> dict[str, str]:
     """The same renames for transformers' `from_pretrained(key_mapping=...)` (the fallback's and
     optimum-habana's loads); the vision tower's keys stay unexpected, and are not loaded."""
-    return {f"^{re.escape(prefix)}": target for prefix, target in LANGUAGE_MODEL_PREFIXES[:3]}
+    return {f"^{re.escape(prefix)}": target for prefix, target in LANGUAGE_MODEL_PREFIXES if prefix != target}
