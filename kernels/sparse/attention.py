@@ -59,8 +59,11 @@ def _rescue(
     here scores alike (`estimate_index` groups them by `rescue_against`)."""
     against = patterns[0].rescue_against
     by_keys, keys = (None, None) if against == "boxes" else _keys_rescue(key, scale, use_triton)
-    mean_of, mean_keys = (box_rescue_blocks, key) if against == "boxes" else (by_keys, keys)
-    range_of, range_keys = (by_keys, keys) if against == "keys" else (box_rescue_blocks, key)
+    by_boxes = box_rescue_blocks
+    if use_triton and against != "keys":
+        from tgserve.kernels.sparse.boxes_kernel import box_rescue_blocks_triton as by_boxes
+    mean_of, mean_keys = (by_boxes, key) if against == "boxes" else (by_keys, keys)
+    range_of, range_keys = (by_keys, keys) if against == "keys" else (by_boxes, key)
     mean_budget = [p.rescue - p.rescue_range for p in patterns]
     if not any(p.rescue_range for p in patterns):
         return mean_of(query, mean_keys, heads, block, cover, listed, columns, mean_budget)

@@ -44,6 +44,12 @@ from tgserve.kernels.sparse.estimate import (
 CHUNK_SCORES = 1 << 26  # float32 scores a chunk of query blocks holds, all heads: 256 MiB
 
 
+def box_dtype(query: torch.Tensor) -> torch.dtype:
+    """The operands' type: float32 for float32 inputs (exact tests), else the inputs' 16-bit type
+    (ranking only, within a row; products accumulate in float32)."""
+    return torch.float32 if query.dtype == torch.float32 else query.dtype
+
+
 def key_boxes(
     key: torch.Tensor, kv_of: list[int], columns: torch.Tensor | None, block: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,9 +103,10 @@ def box_rescue_blocks(
     and columns [S, C] with -1 for none, K = max(budget))."""
     nq, device = cover.shape[-1], query.device
     width = max(1, min(nq, max(budget)))  # top_blocks' width
-    dtype = torch.bfloat16 if query.is_cuda else torch.float32
+    dtype = box_dtype(query)
     queries, boxes = bound_operands(query, key, heads, block, columns, query_range)
-    queries, boxes = queries.to(dtype), boxes.to(dtype).transpose(1, 2)  # [S, Q, m], [S, m, Q]
+    # Operands rounded as the kernel's, products in float32: [S, Q, m], [S, m, Q].
+    queries, boxes = queries.to(dtype).float(), boxes.to(dtype).float().transpose(1, 2)
     out = torch.empty(len(heads), nq, width, dtype=torch.long, device=device)
     chunk = max(1, CHUNK_SCORES // (nq * len(heads)))
     keys = torch.arange(nq, device=device)

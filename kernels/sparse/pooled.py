@@ -243,14 +243,7 @@ def rescue_blocks_triton(
     cover8 = cover.to(torch.int8).contiguous()
     skip = skip_blocks = bits = cover8  # placeholders when absent
     if columns is not None:
-        at = torch.where(columns >= 0, columns.long(), n)
-        skip = torch.zeros(rows, n + 1, dtype=torch.int8, device=device)
-        skip.scatter_(1, at, 1)
-        skip = skip[:, :n].contiguous()
-        # The key blocks holding a column: the only steps that need the per-key mask.
-        skip_blocks = torch.zeros(rows, nq + 1, dtype=torch.int8, device=device)
-        skip_blocks.scatter_(1, torch.where(columns >= 0, at // block, nq), 1)
-        skip_blocks = skip_blocks[:, :nq].contiguous()
+        skip, skip_blocks = column_flags(columns, n, block)
     if listed is not None:
         bits = listed_bitmap(listed, nq)
     values = torch.empty(rows, nq, top_r, dtype=torch.float32, device=device)
@@ -266,7 +259,25 @@ def rescue_blocks_triton(
         num_warps=4 if interpreting() else LAUNCH["num_warps"], num_stages=LAUNCH["num_stages"],
         KEY_BLOCKS=LAUNCH["key_blocks"], SPLIT_DOTS=LAUNCH.get("split_dots", False), RANGE=query_range,
     )  # fmt: skip
+    return top_picks(values, index, width, budget)
+
+
+def column_flags(columns: torch.Tensor, n: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 ([S, n], [S, Q]) of columns [S, C] (-1 = none): 1 at each listed head's column keys,
+    and at the key blocks holding one (the only blocks whose keys need the per-key mask)."""
+    rows, nq, device = columns.shape[0], -(-n // block), columns.device
+    at = torch.where((columns >= 0) & (columns < n), columns.long(), n)
+    skip = torch.zeros(rows, n + 1, dtype=torch.int8, device=device)
+    skip.scatter_(1, at, 1)
+    skip_blocks = torch.zeros(rows, nq + 1, dtype=torch.int8, device=device)
+    skip_blocks.scatter_(1, torch.where(at < n, at // block, nq), 1)
+    return skip[:, :n].contiguous(), skip_blocks[:, :nq].contiguous()
+
+
+def top_picks(values: torch.Tensor, index: torch.Tensor, width: int, budget: list[int]) -> torch.Tensor:
+    """[S, Q, width] of a kernel's running top-R per row (values float32 [S, Q, R], -inf = none;
+    index int32 key blocks): best first, budget[s] of them, -1 padded."""
     top = torch.topk(values, width, dim=-1)
-    limit = host_values(budget, device)[:, None, None]
-    keep = (top.values > float("-inf")) & (torch.arange(width, device=device) < limit)
+    limit = host_values(budget, values.device)[:, None, None]
+    keep = (top.values > float("-inf")) & (torch.arange(width, device=values.device) < limit)
     return torch.where(keep, index.gather(-1, top.indices), -1)

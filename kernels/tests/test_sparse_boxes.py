@@ -1,13 +1,16 @@
-"""Rescue by key-block boxes (kernels/sparse/boxes.py): the boxes, their bounds, and the picks."""
+"""Rescue by key-block boxes (kernels/sparse/boxes.py, its Triton twin boxes_kernel.py): the boxes,
+their bounds, and the picks."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 import torch
 
 from tgserve.kernels.sparse.attention import estimate_index
 from tgserve.kernels.sparse.boxes import bound_operands, box_rescue_blocks, key_boxes
+from tgserve.kernels.sparse.boxes_kernel import box_rescue_blocks_triton, head_boxes
 from tgserve.kernels.sparse.config import HeadPattern
 from tgserve.kernels.sparse.estimate import held_blocks
 from tgserve.kernels.sparse.index import index_to_mask
@@ -106,3 +109,52 @@ def test_heads_of_one_layer_may_score_against_keys_or_boxes():
         assert torch.equal(mixed[h], index_to_mask(alone)[h]), choice
     keys_only = index_to_mask(estimate_index(q, k, 0.25, [base] * heads, BLOCK, 16))
     assert not torch.equal(mixed[2], keys_only[2]), "boxes must pick differently here"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("query_range", [False, True], ids=["mean", "range"])
+@pytest.mark.parametrize("held", [False, True], ids=["free", "held"])
+@pytest.mark.parametrize("budget", [[2, 2, 2, 2, 2], [1, 3, 2, 5, 1]])
+def test_box_rescue_kernel_picks_the_twins_blocks(device, dtype, query_range, held, budget):
+    """The Triton launch against the torch twin: 38 query blocks (three steps of 16 key blocks
+    and three tiles under the interpreter), held diagonals, listed blocks and each head's columns
+    left out of its boxes, budgets differing by head. fp16: both round the operands to fp16."""
+    gen = torch.Generator().manual_seed(4)
+    n, block = 300, 8
+    q, k = torch.randn(n, 8, 32, generator=gen).to(dtype), torch.randn(n, 2, 32, generator=gen).to(dtype)
+    heads, nq = [0, 1, 3, 5, 6] if held else [1, 2, 3, 4, 5], -(-n // block)
+    cover = torch.rand(5, nq, generator=gen) < 0.3
+    listed = torch.randint(-1, nq, (5, nq, 3), generator=gen) if held else None
+    # Columns filling block 2 of head 0 (an empty box there), and scattered ones.
+    columns = torch.cat([torch.arange(16, 24).expand(5, 8), torch.randint(-1, n, (5, 9), generator=gen)], 1)
+    columns = columns if held else None
+    want = box_rescue_blocks(q, k, heads, block, cover, listed, columns, budget, query_range)
+    moved = [None if x is None else x.to(device) for x in (cover, listed, columns)]
+    got = box_rescue_blocks_triton(q.to(device), k.to(device), heads, block, *moved, budget, query_range)
+    assert torch.equal(got.cpu().sort(-1).values, want.sort(-1).values)
+
+
+def test_head_boxes_are_the_twins_boxes_rounded(device):
+    """Each listed head's boxes less its own columns, as `key_boxes` gives them, in the operands'
+    type (a partial last block; several columns in one block, written by each column's program)."""
+    gen = torch.Generator().manual_seed(5)
+    n, d = 8 * BLOCK + 3, 32
+    key = torch.randn(n, 2, d, generator=gen)
+    columns = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 20, 66], [70, 33, 34, -1, -1, -1, -1, -1, -1, -1]])
+    for dtype in (torch.float32, torch.float16):
+        mid, radius = head_boxes(key.to(device), [0, 1], BLOCK, columns.to(device), dtype)
+        want_mid, want_radius = key_boxes(key, [0, 1], columns, BLOCK)
+        assert torch.equal(mid.cpu(), want_mid.to(dtype)) and torch.equal(radius.cpu(), want_radius.to(dtype))
+
+
+def test_triton_estimation_against_boxes_gives_the_torch_index(device):
+    """The whole estimation with heads scoring against keys, range-boxes and boxes in one layer:
+    Triton and torch build the same mask."""
+    gen = torch.Generator().manual_seed(6)
+    n, heads = 40 * BLOCK, 4
+    q, k = torch.randn(n, heads, 32, generator=gen), torch.randn(n, 2, 32, generator=gen)
+    base = HeadPattern("vertical_slash", vertical=8, slash=32, sink=4, local=8, rescue=3, rescue_range=1)
+    patterns = [replace(base, rescue_against=c) for c in ["keys", "range-boxes", "boxes", "range-boxes"]]
+    want = index_to_mask(estimate_index(q, k, 0.25, patterns, BLOCK, 16))
+    got = estimate_index(q.to(device), k.to(device), 0.25, patterns, BLOCK, 16, use_triton=True)
+    assert torch.equal(index_to_mask(got).cpu(), want)
