@@ -17,15 +17,13 @@ side, so a block holding one salient key still ranks high; a block of keys sprea
 ranks higher than its best key would (the box is loose). On structured prompts the range bound
 against boxes kept every needle the keys' pass kept, and more; the mean query against boxes
 ranked far diagonals' blocks worse (rotating coordinates give every block a wide box), so the
-pattern's "range-boxes" scores only the range against boxes
-(docs/benchmarks/2026-12-06-rescue-by-boxes-cpu.md).
+default pattern, "range-boxes", scores only the range against boxes, and the mean against boxes
+only past `SparseConfig.mean_keys_max_len`, where the mean's pass against keys costs seconds
+(docs/benchmarks/2026-12-06-rescue-by-boxes-cpu.md, 2026-12-06-rescue-by-boxes-triton-h100.md).
 
-On CUDA the products run in bf16 (ranking only, within a row); on the CPU in float32.
-Memory: the scores of every head in chunks of query blocks (256 MiB each). This is torch, and on
-an H100 its range pass cost 23 ms a layer at 128K against 4.7 for the Triton pass against keys:
-the column blocks taken again per head, the held masks per chunk and the float32 scores dominate,
-not the products. A streamed kernel (the keys' `pooled.py` fed one box a key block) is what would
-make it cheaper.
+This is the torch twin of `boxes_kernel.box_rescue_blocks_triton` (the CPU path and the
+reference): operands rounded to the kernel's type (float32, or the inputs' 16-bit type), products
+in float32, the scores of every head in chunks of query blocks (256 MiB each).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Two JSON shapes are accepted:
 * tgserve's own::
 
     {"block": 64, "last_q": 64, "min_seq_len": 32768, "range_max_len": 524288,
-     "tail_min_len": 65536, "tail_max_len": 524288,
+     "mean_keys_max_len": 524288, "tail_min_len": 65536, "tail_max_len": 524288,
      "default": {"kind": "vertical_slash", "vertical": 1000, "slash": 6096},
      "layers": {"0": {"3": {"kind": "a_shape", "sink": 128, "local": 2048}}}}
 
@@ -51,10 +51,11 @@ class HeadPattern:
     rescue_against  what the rescue scores a query block against: "keys", every key, max-pooled
                     per key block ([Q, n] products); "boxes", each key block's box, its keys'
                     per-coordinate largest and smallest values ([Q, Q] products, `boxes.py`);
-                    "range-boxes", keys for the blocks by the mean and boxes for those by the
-                    range (the mean's picks hold far diagonals' mass better against keys, the
-                    range's find needles as well or better against boxes, at 1/16 of the
-                    products, though in torch for now: slower than the keys' Triton pass).
+                    "range-boxes" (the default), keys for the blocks by the mean and boxes for
+                    those by the range: the mean's picks hold far diagonals' mass better against
+                    keys, the range's find needles as well or better against boxes, and the
+                    range's pass costs half as much (H100: 2.7 against 5.3 ms a layer at 128K,
+                    14 against 54 at 512K; docs/benchmarks/2026-12-06-rescue-by-boxes-triton-h100.md).
     tail            also attend to the key blocks the pattern skips, each summarised by its mean
                     key and value, as one extra key per query block (`tail.py`): the attention
                     spread thinly over a long prompt, which no block choice holds. True or False
@@ -70,7 +71,7 @@ class HeadPattern:
     blocks: int = 100
     rescue: int = 3
     rescue_range: int = 1
-    rescue_against: str = "keys"
+    rescue_against: str = "range-boxes"
     tail: bool | None = None
 
     def __post_init__(self) -> None:
@@ -92,6 +93,10 @@ class HeadPattern:
         """The pattern less its blocks by the range (the mean-chosen ones kept)."""
         return replace(self, rescue=self.rescue - self.rescue_range, rescue_range=0)
 
+    def mean_against_boxes(self) -> HeadPattern:
+        """A "range-boxes" pattern with the mean's blocks against boxes too ("keys" stays as is)."""
+        return replace(self, rescue_against="boxes") if self.rescue_against == "range-boxes" else self
+
 
 DEFAULT_PATTERN = HeadPattern()
 
@@ -108,10 +113,18 @@ class SparseConfig:
     min_seq_len: int = 32768
     block: int = 64  # query/key block of the sparse kernel and of pooled estimation
     last_q: int = 64  # queries used to estimate vertical-slash indices
-    # Longer prompts drop their rescue blocks by the range: that pass costs 2.0-2.2x the mean
-    # one (H100, e4m3), ~7 s of a 1M-token prompt's ~35 s first token on an H200, against 14%
-    # of the sparse total at 128K and 38% at 512K.
+    # Longer prompts drop their rescue blocks by the range. Against keys that pass cost 2.0-2.2x
+    # the mean one (H100, e4m3), ~7 s of a 1M-token prompt's ~35 s first token on an H200;
+    # against boxes (the default) 40 ms a layer at 1M on an H100, still ~1.3 s, for needles that
+    # no target asks for past 512K.
     range_max_len: int = 524288
+    # Longer prompts score the mean's rescue blocks of "range-boxes" patterns against boxes too.
+    # H100, a layer: 33 against 125 ms at 1M (~2.9 s of the first token), 14 against 38 at 512K.
+    # At 1M on structured prompts rel L2 rose 0.2-0.4% (rope, diffuse) and 7% (far-slashes),
+    # needles kept alike; at 8K on SmolLM2 (a 128K share of the budget, where the rescue weighs
+    # more) 7-27% a layer, which is why shorter prompts keep keys
+    # (docs/benchmarks/2026-12-06-rescue-by-boxes-triton-h100.md).
+    mean_keys_max_len: int = 524288
     # Prompts in this range fold in the tail of skipped blocks where a pattern leaves it unset. An
     # H100's cost a layer (32 query / 8 KV heads): 1.0 ms at 32K, 1.2 at 64K, 2.0 at 128K (4% of
     # sparse's 49 ms), 18.9 at 512K, 62 at 1M; at 32K sparse only ties cuDNN (12.8 ms), so the
@@ -123,19 +136,30 @@ class SparseConfig:
 
     def head_patterns(self, layer: int, num_heads: int, seq_len: int | None = None) -> list[HeadPattern]:
         """The pattern of every query head of one layer, as written, or for a prompt of seq_len
-        tokens: past range_max_len without the rescue block by the range, the tail resolved by
-        the length where the pattern leaves it unset."""
+        tokens: past range_max_len without the rescue block by the range, past mean_keys_max_len
+        with the mean's blocks against boxes, the tail resolved by the length where the pattern
+        leaves it unset."""
         per_head = self.layers.get(layer, {})
         patterns = [per_head.get(h, per_head.get(-1, self.default)) for h in range(num_heads)]
         if seq_len is None:  # as written (an unset tail is off)
             return patterns
         if seq_len > self.range_max_len:
             patterns = [p.without_range() if p.rescue_range else p for p in patterns]
+        if seq_len > self.mean_keys_max_len:
+            patterns = [p.mean_against_boxes() for p in patterns]
         tail = self.tail_min_len <= seq_len <= self.tail_max_len
         return [p if p.tail is not None else replace(p, tail=tail) for p in patterns]
 
 
-SHARED_FIELDS = ("min_seq_len", "block", "last_q", "range_max_len", "tail_min_len", "tail_max_len")
+SHARED_FIELDS = (
+    "min_seq_len",
+    "block",
+    "last_q",
+    "range_max_len",
+    "mean_keys_max_len",
+    "tail_min_len",
+    "tail_max_len",
+)
 
 
 def _pattern(entry: dict[str, Any], base: HeadPattern) -> HeadPattern:

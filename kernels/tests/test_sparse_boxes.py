@@ -107,7 +107,9 @@ def test_heads_of_one_layer_may_score_against_keys_or_boxes():
     for h, choice in enumerate(choices):
         alone = estimate_index(q, k, 0.25, [replace(base, rescue_against=choice)] * heads, BLOCK, 16)
         assert torch.equal(mixed[h], index_to_mask(alone)[h]), choice
-    keys_only = index_to_mask(estimate_index(q, k, 0.25, [base] * heads, BLOCK, 16))
+    keys_only = index_to_mask(
+        estimate_index(q, k, 0.25, [replace(base, rescue_against="keys")] * heads, BLOCK, 16)
+    )
     assert not torch.equal(mixed[2], keys_only[2]), "boxes must pick differently here"
 
 

@@ -126,13 +126,21 @@ def test_sampled_score_of_every_block_is_the_exact_error():
     assert 0 < want and math.isclose(report.rel_l2, want, rel_tol=1e-4), (report.rel_l2, want)
 
 
+# Rotated, the range bound's mean recall here: against keys 0.70, against boxes 0.49 (a box, per
+# coordinate, is looser still when no feature has a coordinate of its own). Over seeds 3-5 and the
+# three families boxes recalled less in 7 of 9 prompts yet kept 12 needles whole against keys' 10.
+ROTATED_FLOOR = {"keys": 0.5, "range-boxes": 0.4}
+
+
 @pytest.mark.parametrize("family", ["rope", "sharp", "rope-10k"])
 @pytest.mark.parametrize("rotated", [False, True])
-def test_rescue_by_query_range_keeps_needles_that_16_queries_seek(family, rotated):
+@pytest.mark.parametrize("against", ["keys", "range-boxes"])
+def test_rescue_by_query_range_keeps_needles_that_16_queries_seek(family, rotated, against):
     """A key only 16 queries seek: the block-mean query dilutes its logit four times and the rescue
-    misses it; the query block's range bound (`rescue_range`) keeps it. Rotated (q and k by one
-    random orthogonal matrix: the same attention, no feature on a coordinate of its own) the bound
-    is looser and keeps less, still far more than the mean."""
+    misses it; the query block's range bound (`rescue_range`) keeps it, scored against keys or
+    against key-block boxes. Rotated (q and k by one random orthogonal matrix: the same attention,
+    no feature on a coordinate of its own) the bound is looser and keeps less, still far more than
+    the mean."""
     n = 8192
     prompt = structured_prompt(n, 4, 1, 128, seed=3, plant=replace(STRUCTURES[family], seekers=(16,)))
     if rotated:
@@ -140,14 +148,14 @@ def test_rescue_by_query_range_keeps_needles_that_16_queries_seek(family, rotate
         rotation = torch.linalg.qr(torch.randn(128, 128, generator=gen, dtype=torch.float64))[0].float()
         prompt = replace(prompt, query=prompt.query @ rotation, key=prompt.key @ rotation)
     recalls = []
-    for pattern in (PATTERN, replace(PATTERN, rescue_range=1)):
+    for pattern in (PATTERN, replace(PATTERN, rescue_range=1, rescue_against=against)):
         index = estimate_index(prompt.query, prompt.key, prompt.scale, [pattern] * 4)
         report = score(prompt, lambda rows, index=index: index_to_mask(index, rows), blocks=2)
         recalls.append(torch.tensor([recall for *_, recall, _ in report.needles]))
     by_mean, by_range = recalls
     assert len(by_mean) == 5 and (by_mean >= 0.9).sum() <= 1
     if rotated:
-        assert by_range.mean() >= max(0.5, 2 * by_mean.mean()), (by_mean, by_range)
+        assert by_range.mean() >= max(ROTATED_FLOOR[against], 2 * by_mean.mean()), (by_mean, by_range)
     else:
         assert (by_range >= 0.9).all(), by_range
 
