@@ -30,7 +30,7 @@ import triton.language as tl
 
 from tgserve.kernels.sparse.boxes import box_dtype
 from tgserve.kernels.sparse.estimate import block_means, block_ranges, head_index, host_values, range_rows
-from tgserve.kernels.sparse.pooled import BITS, column_flags, listed_bitmap, top_picks
+from tgserve.kernels.sparse.pooled import BITS, column_flags, listed_bitmap, program_tile, top_picks
 from tgserve.kernels.triton_common import dot_precision, interpreting, pow2
 
 # GPU launch; key_blocks: key blocks a step (the width of a step's products and merge). H100 sweep
@@ -121,14 +121,9 @@ def _box_rescue_kernel(
     a . m + |a| . r (+ b . |m| + b . r with RANGE) of each query block (a: its mean query or range
     midpoint, b: its range half-width) against each causal key block's box (m, r), held blocks
     (cover: block diagonals by offset; bits: listed blocks) left out."""
-    pid = tl.program_id(0)
-    tile = num_tiles - 1 - pid // num_rows  # longest tiles first, all heads of a tile together
-    row = pid % num_rows
-    qb = tile * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = qb < num_qb
-    dims = tl.arange(0, BLOCK_D)
-    dim_ok = dims < head_dim
-    base = row.to(tl.int64) * num_qb
+    tile, _row, qb, row_ok, dims, dim_ok, base = program_tile(
+        num_tiles, num_rows, num_qb, head_dim, BLOCK_R, BLOCK_D
+    )
     q_at = (base + qb)[:, None] * head_dim + dims[None, :]
     a = tl.load(qa_ptr + q_at, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
     a_magnitude = tl.abs(a)

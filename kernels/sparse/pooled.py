@@ -93,6 +93,19 @@ def _key_scores(qm, ql, qm_scale, ql_scale, k_ptrs, pos, n, stride_kt, dim_ok, s
     return s
 
 
+@triton.jit
+def program_tile(num_tiles, num_rows, num_qb, head_dim, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A rescue program's share: (tile, head row, its query blocks, which are in range, the head
+    dims, which are in range, the row's first query block in [rows, Q] tensors). Tiles are issued
+    longest first (the last query blocks see the most keys), all heads of a tile together."""
+    pid = tl.program_id(0)
+    tile = num_tiles - 1 - pid // num_rows
+    row = pid % num_rows
+    qb = tile * BLOCK_R + tl.arange(0, BLOCK_R)
+    dims = tl.arange(0, BLOCK_D)
+    return tile, row, qb, qb < num_qb, dims, dims < head_dim, row.to(tl.int64) * num_qb
+
+
 # Lengths and counts unspecialised, as kernel.LENGTH_ARGS: every prompt length shares one compile.
 @triton.jit(do_not_specialize=["n", "num_qb", "num_tiles", "num_rows", "words"])
 def _rescue_kernel(
@@ -102,15 +115,10 @@ def _rescue_kernel(
     HAS_SKIP: tl.constexpr, HAS_BITS: tl.constexpr, PRECISION: tl.constexpr, KEY_BLOCKS: tl.constexpr,
     SPLIT_DOTS: tl.constexpr = False, RANGE: tl.constexpr = False,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    tile = num_tiles - 1 - pid // num_rows  # longest tiles first, all heads of a tile together
-    row = pid % num_rows
+    tile, row, qb, row_ok, dims, dim_ok, base = program_tile(
+        num_tiles, num_rows, num_qb, head_dim, BLOCK_R, BLOCK_D
+    )
     kv = tl.load(head_ptr + row) // group
-    qb = tile * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = qb < num_qb
-    dims = tl.arange(0, BLOCK_D)
-    dim_ok = dims < head_dim
-    base = row.to(tl.int64) * num_qb
     q_at = (base + qb)[:, None] * head_dim + dims[None, :]
     qm = tl.load(qm_ptr + q_at, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
     ql, qm_scale, ql_scale = qm, row_ok, row_ok  # unread without RANGE
