@@ -5,7 +5,8 @@ estimate   torch estimation (twins of lastq and pooled): last-query vertical-sla
            pooled block scores, rescue blocks, top-k selection
 lastq      Triton last-query statistics: vertical and block-diagonal scores, all heads at once
 pooled     Triton rescue blocks: block-mean query x every key, max-pooled, top-k fused
-boxes      rescue blocks against key-block boxes (largest / smallest key value a coordinate), torch
+boxes      rescue blocks against key-block boxes (largest / smallest key value a coordinate), torch twin
+boxes_kernel  Triton rescue against boxes: per-head boxes less columns, bounds streamed into a top-k
 index      SparseIndex: block diagonals + listed blocks + columns, and its exact element mask
 kernel     Triton sparse attention over a SparseIndex
 tail       the blocks a pattern skips, summarised as one extra key per query block (64K-512K; twin)

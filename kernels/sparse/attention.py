@@ -151,9 +151,7 @@ def estimate_index(
                             None if listed is None else listed[at], None if columns is None else columns[at],
                             use_triton)  # fmt: skip
             blocks.append((rs, estimate.share_neighbours(picks)))
-    return build_index(
-        n, block, cover, _scatter_rows(blocks, num_heads, -1), _scatter_rows(cols, num_heads, -1)
-    )
+    return build_index(n, block, cover, _scatter_rows(blocks, num_heads, -1), columns)
 
 
 def sparse_prefill(

@@ -29,8 +29,15 @@ import triton
 import triton.language as tl
 
 from tgserve.kernels.sparse.boxes import box_dtype
-from tgserve.kernels.sparse.estimate import block_means, block_ranges, head_index, host_values, range_rows
-from tgserve.kernels.sparse.pooled import BITS, column_flags, listed_bitmap, program_tile, top_picks
+from tgserve.kernels.sparse.estimate import (
+    block_means,
+    block_ranges,
+    column_keys,
+    head_index,
+    host_values,
+    range_rows,
+)
+from tgserve.kernels.sparse.pooled import BITS, listed_bitmap, program_tile, top_picks
 from tgserve.kernels.triton_common import dot_precision, interpreting, pow2
 
 # GPU launch; key_blocks: key blocks a step (the width of a step's products and merge). H100 sweep
@@ -79,7 +86,7 @@ def head_boxes(
     mid = ((high + low) / 2).to(dtype).transpose(0, 1)[kv].contiguous()  # [S, Q, d]
     radius = ((high - low) / 2).to(dtype).transpose(0, 1)[kv].contiguous()
     if columns is not None:
-        skip, _ = column_flags(columns, n, block)
+        skip = column_keys(columns, n).to(torch.int8)  # [S, n]: each head's columns
         columns = columns.to(torch.int32).contiguous()
         assert key.stride(2) == 1
         _column_boxes_kernel[(len(kv_of), columns.shape[1])](

@@ -47,7 +47,14 @@ import triton.language as tl
 
 from tgserve.kernels.fp8 import quantize_rows_fast
 from tgserve.kernels.fp8_format import FP8, INV_FP8_MAX, TINY_SCALE
-from tgserve.kernels.sparse.estimate import block_means, fp8_products, head_index, host_values, range_rows
+from tgserve.kernels.sparse.estimate import (
+    block_means,
+    column_keys,
+    fp8_products,
+    head_index,
+    host_values,
+    range_rows,
+)
 from tgserve.kernels.triton_common import dot_precision, interpreting
 
 BITS = 16  # listed blocks travel as a bitmap of BITS-bit words per query block
@@ -273,13 +280,11 @@ def rescue_blocks_triton(
 def column_flags(columns: torch.Tensor, n: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 ([S, n], [S, Q]) of columns [S, C] (-1 = none): 1 at each listed head's column keys,
     and at the key blocks holding one (the only blocks whose keys need the per-key mask)."""
-    rows, nq, device = columns.shape[0], -(-n // block), columns.device
-    at = torch.where((columns >= 0) & (columns < n), columns.long(), n)
-    skip = torch.zeros(rows, n + 1, dtype=torch.int8, device=device)
-    skip.scatter_(1, at, 1)
-    skip_blocks = torch.zeros(rows, nq + 1, dtype=torch.int8, device=device)
-    skip_blocks.scatter_(1, torch.where(at < n, at // block, nq), 1)
-    return skip[:, :n].contiguous(), skip_blocks[:, :nq].contiguous()
+    nq = -(-n // block)
+    at = torch.where((columns >= 0) & (columns < n), columns.long() // block, nq)
+    skip_blocks = torch.zeros(columns.shape[0], nq + 1, dtype=torch.int8, device=columns.device)
+    skip_blocks.scatter_(1, at, 1)
+    return column_keys(columns, n).to(torch.int8), skip_blocks[:, :nq].contiguous()
 
 
 def top_picks(values: torch.Tensor, index: torch.Tensor, width: int, budget: list[int]) -> torch.Tensor:
