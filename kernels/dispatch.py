@@ -47,15 +47,19 @@ def write_kv(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     kv_scale: torch.Tensor | None = None,
+    tail: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Store key/value [num_tokens, num_kv_heads, head_dim] at their slots of kv_cache (quantized,
-    with their scales in kv_scale, when the cache is fp8)."""
+    with their scales in kv_scale, when the cache is fp8; with `tail`, an 8-bit cache's tail slots
+    and block -> slot map, rows of blocks with a slot stored there too, unquantized)."""
     if use_triton(key):
         from tgserve.kernels.kv_write import write_kv as triton_write_kv
 
-        triton_write_kv(key, value, kv_cache, slot_mapping, kv_scale)
+        triton_write_kv(key, value, kv_cache, slot_mapping, kv_scale, tail)
     else:
         reference.write_kv(key, value, kv_cache, slot_mapping, kv_scale)
+        if tail is not None:
+            reference.write_tail(key, value, slot_mapping, tail)
 
 
 def update_key_summaries(
@@ -90,6 +94,7 @@ def paged_decode(
     host: tuple[torch.Tensor, torch.Tensor | None, int] | None = None,
     sinks: torch.Tensor | None = None,
     hot: torch.Tensor | None = None,
+    tail: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One query per sequence over its paged context: the split-context decode kernel on CUDA.
 
@@ -104,6 +109,8 @@ def paged_decode(
     per-head sink logits (gpt-oss): a key of zero value in every row's softmax. hot: with host and
     selection, int32 [num_kv_heads, host blocks]: the device block holding each KV head of a host
     block, or -1 (the hot-block cache, `server/kv_cache/hot_blocks.py`), read there instead.
+    tail: an 8-bit cache's (tail slots, block -> slot map) (`server/kv_cache/tail_blocks.py`): the
+    step's rows stored there too where their block has a slot, each current block read from it.
     """
     assert selection is None or sliding_window is None, "selection is for full-attention layers"
     if use_triton(query):
@@ -111,18 +118,19 @@ def paged_decode(
 
         return triton_paged_decode(query, kv_cache, block_tables, seq_lens, scale, sliding_window, softcap, out,
                                    max_seq_len=max_seq_len, step_kv=step_kv, kv_scale=kv_scale, selection=selection,
-                                   key_summary=key_summary, host=host, sinks=sinks, hot=hot)  # fmt: skip
+                                   key_summary=key_summary, host=host, sinks=sinks, hot=hot, tail=tail)  # fmt: skip
     if step_kv is not None:
-        reference.write_kv(*step_kv[:2], kv_cache, step_kv[2], kv_scale)
+        write_kv(*step_kv[:2], kv_cache, step_kv[2], kv_scale, tail)
         if key_summary is not None:
             update_key_summaries(step_kv[0], step_kv[2], key_summary, kv_cache.shape[2])
     if selection is not None:
         result = reference.selected_decode(query, kv_cache, block_tables, seq_lens, *selection, scale, softcap,
-                                           kv_scale, host, sinks, hot)  # fmt: skip
+                                           kv_scale, host, sinks, hot, tail)  # fmt: skip
         return result if out is None else out.copy_(result)
     one_query_each = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
     result = reference.paged_attention(query, kv_cache, block_tables, one_query_each, seq_lens, scale,
-                                       sliding_window, softcap, kv_scale=kv_scale, host=host, sinks=sinks)  # fmt: skip
+                                       sliding_window, softcap, kv_scale=kv_scale, host=host, sinks=sinks,
+                                       tail=tail)  # fmt: skip
     return result if out is None else out.copy_(result)
 
 
@@ -192,17 +200,19 @@ def paged_prefill(
     kv_scale: torch.Tensor | None = None,
     host: tuple[torch.Tensor, torch.Tensor | None, int] | None = None,
     sinks: torch.Tensor | None = None,
+    tail: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Each sequence's queries (its last positions) over its paged context, this step's keys and
     values already stored: chunked prefill, prefix hits, prompts beside decode rows (`host`,
-    `sinks`: as `paged_decode` takes them)."""
+    `sinks`, `tail`: as `paged_decode` takes them)."""
     if use_triton(query):
         from tgserve.kernels.paged_prefill import paged_prefill as triton_paged_prefill
 
         return triton_paged_prefill(query, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window,
-                                    softcap, out, kv_scale=kv_scale, host=host, sinks=sinks)  # fmt: skip
+                                    softcap, out, kv_scale=kv_scale, host=host, sinks=sinks, tail=tail)  # fmt: skip
     result = reference.paged_attention(query, kv_cache, block_tables, query_start_loc, seq_lens, scale,
-                                       sliding_window, softcap, kv_scale=kv_scale, host=host, sinks=sinks)  # fmt: skip
+                                       sliding_window, softcap, kv_scale=kv_scale, host=host, sinks=sinks,
+                                       tail=tail)  # fmt: skip
     return result if out is None else out.copy_(result)
 
 

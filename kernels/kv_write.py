@@ -3,7 +3,8 @@
 Twin: `reference.write_kv`. One program per token copies all of its KV heads; slot -1 (padding,
 or a prefix-cache hit whose KV is already stored) is skipped without touching memory. Into an 8-bit
 cache (e4m3 or int8, `kv_format`), each head's row is quantized on the way
-(`triton_common.scaled_kv_rows`) and its scale stored beside it, in the pool's scale tensor.
+(`triton_common.scaled_kv_rows`) and its scale stored beside it, in the pool's scale tensor; a
+token whose block has a tail slot (`server/kv_cache/tail_blocks.py`) is stored there too, unquantized.
 """
 
 from __future__ import annotations
@@ -33,12 +34,19 @@ def _write_kv_kernel(
     stride_s_kv,
     num_kv_heads,
     head_dim,
+    tail_ptr,
+    tail_of_ptr,
+    stride_t_kv,
+    stride_t_slot,
+    stride_t_off,
+    stride_t_head,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SCALED: tl.constexpr = False,
     INT8: tl.constexpr = False,
     PDL: tl.constexpr = False,
+    TAIL: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     token = tl.program_id(0)
@@ -58,6 +66,13 @@ def _write_kv_kernel(
         v = tl.load(
             value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask, other=0.0
         )
+        if TAIL:
+            tail_slot = tl.load(tail_of_ptr + block).to(tl.int64)
+            if tail_slot >= 0:
+                at = tail_ptr + tail_slot * stride_t_slot + offset * stride_t_off
+                at = at + heads[:, None] * stride_t_head + dims[None, :]
+                tl.store(at, k.to(tail_ptr.dtype.element_ty), mask=mask)
+                tl.store(at + stride_t_kv, v.to(tail_ptr.dtype.element_ty), mask=mask)
         if SCALED:  # the scales are [2, num_blocks, num_kv_heads, block_size], contiguous
             scale_dst = scale_ptr + (block * num_kv_heads + heads) * BLOCK_SIZE + offset
             k, k_scale = scaled_kv_rows(k.to(tl.float32), INT8)
@@ -74,16 +89,20 @@ def write_kv(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     kv_scale: torch.Tensor | None = None,
+    tail: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Store key/value [num_tokens, num_kv_heads, head_dim] at their slots of kv_cache (in place);
     with kv_scale [2, num_blocks, num_kv_heads, block_size] (contiguous), kv_cache is 8-bit (e4m3
-    or int8) and each row's scale goes there."""
+    or int8) and each row's scale goes there; with tail (cache [2, slots, block_size,
+    num_kv_heads, head_dim], slot_of int32 [num_blocks]), rows of blocks with a slot go there too."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
     # The last dimension must be unit-stride for the vectorised row copies.
     assert key.stride(2) == 1 and value.stride(2) == 1 and kv_cache.stride(4) == 1
     assert kv_scale is None or kv_scale.is_contiguous()
+    tail_cache, tail_of = tail or (kv_cache, slot_mapping)  # unread without TAIL
+    assert tail_cache.stride(4) == 1
     _write_kv_kernel[(num_tokens,)](
         key,
         value,
@@ -101,10 +120,14 @@ def write_kv(
         0 if kv_scale is None else kv_scale.stride(0),
         num_kv_heads,
         head_dim,
+        tail_cache,
+        tail_of,
+        *tail_cache.stride()[:4],
         BLOCK_SIZE=kv_cache.shape[2],
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
         SCALED=kv_scale is not None,
         INT8=kv_cache.dtype == torch.int8,
+        TAIL=tail is not None,
         **pdl(key),
     )

@@ -12,6 +12,9 @@ H200. The grid depends only on tensor shapes, so it can be captured in a CUDA gr
 divides its own context among the splits, so a graph sized for long contexts still spreads a short
 one over many programs instead of leaving it to a few. Given the step's keys and values
 (`step_kv`), the kernel also stores them into the cache, so decode needs no separate KV-write launch.
+With an 8-bit cache's tail (`server/kv_cache/tail_blocks.py`), a sequence whose current block has
+a tail slot reads that block from the slot, in the model's dtype, in a tile of its own after the
+pool's tiles; the step's key and value are stored there too.
 """
 
 from __future__ import annotations
@@ -95,6 +98,12 @@ def _decode_kernel(
     sinks_ptr,
     hot_ptr,
     stride_hot,
+    tail_ptr,
+    tail_of_ptr,
+    stride_t_kv,
+    stride_t_slot,
+    stride_t_off,
+    stride_t_head,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -117,6 +126,8 @@ def _decode_kernel(
     TAIL_N: tl.constexpr = 0,
     SINKS: tl.constexpr = False,
     HOT: tl.constexpr = False,
+    TAIL_SLOTS: tl.constexpr = False,
+    TAIL_TILE: tl.constexpr = 16,
 ):
     wait_for_inputs(PDL)
     seq = tl.program_id(0)
@@ -163,6 +174,34 @@ def _decode_kernel(
         # Tiles wholly before the window are skipped; start stays BLOCK_N-aligned.
         lo = tl.maximum(lo, (tl.maximum(first, 0) // BLOCK_N) * BLOCK_N)
 
+    # The current block's tail slot (TAIL_SLOTS): its positions, from `tail_lo` in the context
+    # read, are read from the slot after the pool's tiles, whose scores stop at `pool_end`. The
+    # tiles' loads and loop bounds stay the pool's, so nothing waits for the slot's lookup.
+    # With WRITE, the step's own row of that block enters the tail's tile from its registers
+    # (`step_row`, or -1 in the programs that do not hold it) and is stored into the slot at the
+    # end: no store, barrier and load back on the way.
+    tail_slot = -1
+    tail_lo = last * BLOCK_SIZE
+    pool_end = hi
+    if TAIL_SLOTS:
+        current_page = tl.load(table + current)
+        tail_slot = tl.load(tail_of_ptr + current_page, mask=current_page < num_device_blocks, other=-1)
+        pool_end = tl.where(tail_slot >= 0, tail_lo, hi)
+        if WRITE:
+            step_slot = tl.load(slot_ptr + seq).to(tl.int64)
+            holds = (
+                (step_slot >= 0) & (step_slot // BLOCK_SIZE == current_page) & (q_pos >= lo) & (q_pos < hi)
+            )
+            step_row = tl.where(holds, q_pos - tail_lo, -1)
+            step_k = tl.load(
+                new_k_ptr + seq * stride_nkt + kv_head * stride_nkh + dims, mask=dim_ok, other=0.0
+            )
+            step_v = tl.load(
+                new_v_ptr + seq * stride_nvt + kv_head * stride_nvh + dims, mask=dim_ok, other=0.0
+            )
+        else:
+            step_row, step_k, step_v = -1, q_ptr, q_ptr  # unread
+
     if WRITE:
         _store_step_kv(new_k_ptr, new_v_ptr, slot_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, summary_ptr, seq, kv_head,
                        q_pos, lo, hi, dims, dim_ok, stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_c_block,
@@ -207,8 +246,9 @@ def _decode_kernel(
                                             num_device_blocks, stride_hs_block, BLOCK_SIZE, HOST)  # fmt: skip
         acc, m_i, l_i = _attend_pages(acc, m_i, l_i, q, pos, in_ctx, page, k_scale, v_scale, first, dims, dim_ok,
                                       k_ptr, v_ptr, hk_ptr, hv_ptr, kv_head, num_device_blocks, stride_c_block,
-                                      stride_h_block, stride_c_off, stride_c_head, sm_scale, softcap, BLOCK_SIZE,
-                                      USE_SOFTCAP, PRECISION, SCALED, F16_PRODUCTS, HOST)  # fmt: skip
+                                      stride_h_block, stride_c_off, stride_c_head, sm_scale, softcap, pool_end,
+                                      BLOCK_SIZE, USE_SOFTCAP, PRECISION, SCALED, F16_PRODUCTS, HOST,
+                                      TAIL_SLOTS)  # fmt: skip
     if TAIL_N > 0:  # (names of their own: Triton keeps a name's shape across the loops)
         for half_start in tl.range(whole_end, hi, TAIL_N):
             half_pos, half_in_ctx, half_page = _tile_pages(half_start, hi, table, chosen_row, chosen_len, last,
@@ -222,8 +262,25 @@ def _decode_kernel(
             acc, m_i, l_i = _attend_pages(acc, m_i, l_i, q, half_pos, half_in_ctx, half_page, half_k_scale,
                                           half_v_scale, first, dims, dim_ok, k_ptr, v_ptr, hk_ptr, hv_ptr, kv_head,
                                           num_device_blocks, stride_c_block, stride_h_block, stride_c_off,
-                                          stride_c_head, sm_scale, softcap, BLOCK_SIZE, USE_SOFTCAP, PRECISION,
-                                          SCALED, F16_PRODUCTS, HOST)  # fmt: skip
+                                          stride_c_head, sm_scale, softcap, pool_end, BLOCK_SIZE, USE_SOFTCAP,
+                                          PRECISION, SCALED, F16_PRODUCTS, HOST, TAIL_SLOTS)  # fmt: skip
+    if TAIL_SLOTS:
+        if (tail_slot >= 0) & (hi > tail_lo):
+            acc, m_i, l_i = _attend_tail(acc, m_i, l_i, q, tail_ptr, tail_slot, tail_lo, lo, hi, first, kv_head,
+                                         dims, dim_ok, stride_t_kv, stride_t_slot, stride_t_off, stride_t_head,
+                                         step_row, step_k, step_v, sm_scale, softcap, BLOCK_SIZE, TAIL_TILE,
+                                         USE_SOFTCAP, PRECISION, F16_PRODUCTS, WRITE)  # fmt: skip
+        if WRITE:  # the step's row into its block's slot, for the steps after this one
+            at = (
+                tail_ptr
+                + tl.maximum(tail_slot, 0).to(tl.int64) * stride_t_slot
+                + tl.maximum(step_row, 0) * stride_t_off
+            )
+            at = at + kv_head * stride_t_head + dims
+            # (A vector of the condition: Triton 3.6's interpreter takes no scalar-and-vector mask.)
+            stored = dim_ok & (dims * 0 + tl.minimum(step_row, tail_slot) >= 0)
+            tl.store(at, step_k.to(tail_ptr.dtype.element_ty), mask=stored)
+            tl.store(at + stride_t_kv, step_v.to(tail_ptr.dtype.element_ty), mask=stored)
 
     if F16_PRODUCTS:
         acc = acc * (1.0 / V_WEIGHT)  # a power of two: exact
@@ -262,9 +319,11 @@ def _decode_kernel(
 @triton.jit
 def _attend_pages(acc, m_i, l_i, q, pos, in_ctx, page, k_scale, v_scale, first, dims, dim_ok, k_ptr, v_ptr, hk_ptr,
                   hv_ptr, kv_head, num_device_blocks, stride_c_block, stride_h_block, stride_c_off, stride_c_head,
-                  sm_scale, softcap, BLOCK_SIZE: tl.constexpr, USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
-                  SCALED: tl.constexpr, F16_PRODUCTS: tl.constexpr, HOST: tl.constexpr):  # fmt: skip
-    """Fold one tile's keys and values (positions `pos` on pages `page`) into the running softmax."""
+                  sm_scale, softcap, pool_end, BLOCK_SIZE: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+                  PRECISION: tl.constexpr, SCALED: tl.constexpr, F16_PRODUCTS: tl.constexpr, HOST: tl.constexpr,
+                  TAIL_SLOTS: tl.constexpr):  # fmt: skip
+    """Fold one tile's keys and values (positions `pos` on pages `page`) into the running softmax;
+    with TAIL_SLOTS, only those before `pool_end` (the current block is then read from its slot)."""
     # Pages past the device pool's (HOST) are host blocks, read where they lie.
     within = (pos % BLOCK_SIZE) * stride_c_off + kv_head * stride_c_head
     k_at = block_address(k_ptr, hk_ptr, page, num_device_blocks, stride_c_block, stride_h_block, within, HOST)
@@ -274,6 +333,8 @@ def _attend_pages(acc, m_i, l_i, q, pos, in_ctx, page, k_scale, v_scale, first, 
     k = tl.load(k_at, mask=kv_mask, other=0.0)
     v = tl.load(v_at, mask=kv_mask, other=0.0)
     mask = in_ctx & (pos >= first)
+    if TAIL_SLOTS:
+        mask = mask & (pos < pool_end)
     if F16_PRODUCTS:
         # e4m3 widens to f16 exactly, two values an instruction: keys and values enter the
         # products as stored, the keys' scales multiply the scores and the values' scales the
@@ -291,6 +352,37 @@ def _attend_pages(acc, m_i, l_i, q, pos, in_ctx, page, k_scale, v_scale, first, 
             acc, m_i, l_i, q, k, v, mask[None, :], sm_scale, softcap, USE_SOFTCAP, PRECISION
         )
     return acc, m_i, l_i
+
+
+@triton.jit
+def _attend_tail(acc, m_i, l_i, q, tail_ptr, tail_slot, tail_lo, lo, hi, first, kv_head, dims, dim_ok, stride_t_kv,
+                 stride_t_slot, stride_t_off, stride_t_head, step_row, step_k, step_v, sm_scale, softcap,
+                 BLOCK_SIZE: tl.constexpr, TAIL_TILE: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+                 PRECISION: tl.constexpr, F16_PRODUCTS: tl.constexpr, STEP_ROW: tl.constexpr):  # fmt: skip
+    """Fold the current block's rows held in its tail slot (positions from `tail_lo`, those of
+    this program's range [lo, hi)) into the running softmax: keys and values in the model's dtype.
+    With STEP_ROW, row `step_row` (if >= 0) is this step's, taken from `step_k` and `step_v`."""
+    row = tl.arange(0, TAIL_TILE)
+    pos = tail_lo + row
+    in_ctx = (row < BLOCK_SIZE) & (pos >= lo) & (pos < hi)
+    at = tail_ptr + tail_slot.to(tl.int64) * stride_t_slot + row * stride_t_off + kv_head * stride_t_head
+    stored = in_ctx
+    if STEP_ROW:
+        stored = stored & (row != step_row)
+    kv_mask = stored[:, None] & dim_ok[None, :]
+    k = tl.load(at[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(at[:, None] + stride_t_kv + dims[None, :], mask=kv_mask, other=0.0)
+    if STEP_ROW:
+        mine = (row == step_row)[:, None]
+        k = tl.where(mine, step_k[None, :].to(k.dtype), k)
+        v = tl.where(mine, step_v[None, :].to(v.dtype), v)
+    mask = in_ctx & (pos >= first)
+    if F16_PRODUCTS:  # the pool's products' form: f16 operands, values weighted by V_WEIGHT
+        ones = tl.full([TAIL_TILE], 1.0, tl.float32)
+        return attend_tile(acc, m_i, l_i, q, k.to(tl.float16), v.to(tl.float16), mask[None, :], sm_scale, softcap,
+                           USE_SOFTCAP, PRECISION, k_scale=ones, v_scale=ones * V_WEIGHT)  # fmt: skip
+    return attend_tile(acc, m_i, l_i, q, k.to(q.dtype), v.to(q.dtype), mask[None, :], sm_scale, softcap,
+                       USE_SOFTCAP, PRECISION)  # fmt: skip
 
 
 @triton.jit
@@ -542,6 +634,7 @@ def paged_decode(
     host: tuple[torch.Tensor, torch.Tensor | None, int] | None = None,
     sinks: torch.Tensor | None = None,
     hot: torch.Tensor | None = None,
+    tail: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Decode attention over the paged cache; returns (or fills) out [num_seqs, num_heads, head_dim].
 
@@ -563,6 +656,9 @@ def paged_decode(
     hot: int32 [num_kv_heads, >= host_blocks], with `host` and `selection`: per KV head, the device
     block holding that head of each host block (the hot-block cache, `server/kv_cache/hot_blocks.py`)
     or -1; the chosen host blocks it holds are read there instead of over the link.
+    tail: with kv_scale, (tail cache [2, slots, block_size, num_kv_heads, head_dim] in the model's
+    dtype, slot_of int32 [num_blocks]): a current block with a slot is read from it, and the step's
+    rows of blocks with a slot are stored there too (`server/kv_cache/tail_blocks.py`).
     """
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
@@ -598,6 +694,9 @@ def paged_decode(
     assert (host_scale is None) == (kv_scale is None or host is None)
     assert hot is None or (host is not None and selection is not None and hot.stride(1) == 1)
     hot_map = seq_lens if hot is None else hot  # unread without HOT
+    assert tail is None or kv_scale is not None
+    tail_cache, tail_of = tail or (kv_cache, seq_lens)  # unread without TAIL_SLOTS
+    assert tail_cache.stride(4) == 1
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
         query, kv_cache[0], kv_cache[1], *scales, block_tables, seq_lens, out, part_o, part_ml, counters,
         new_k, new_v, slots, chosen, chosen_lens, summary, chosen.stride(0), chosen.stride(1),
@@ -610,7 +709,7 @@ def paged_decode(
         group, head_dim, splits,
         host_cache[0], host_cache[1], *host_scales, first_host_id, host_cache.stride(1),
         host_scales[0].stride(0), seq_lens if sinks is None else sinks.float().contiguous(),
-        hot_map, hot_map.stride(0),
+        hot_map, hot_map.stride(0), tail_cache, tail_of, *tail_cache.stride()[:4],
         BLOCK_SIZE=block_size, BLOCK_G=pow2(group), BLOCK_D=block_d, BLOCK_N=block_n,
         USE_SOFTCAP=softcap is not None, USE_WINDOW=sliding_window is not None,
         SPLIT=splits > 1, PRECISION=dot_precision(query.dtype),
@@ -620,7 +719,8 @@ def paged_decode(
         F16_PRODUCTS=kv_scale is not None and query.dtype != torch.float32,
         HOST=host is not None, SCALE_AHEAD=kv_scale is not None and FP8_SCALES_AHEAD,
         TAIL_N=block_n // 2 if kv_scale is not None and FP8_HALF_TAIL else 0, SINKS=sinks is not None,
-        HOT=hot is not None, num_warps=num_warps, **pdl(query),
+        HOT=hot is not None, TAIL_SLOTS=tail is not None, TAIL_TILE=max(16, pow2(block_size)),
+        num_warps=num_warps, **pdl(query),
     )  # fmt: skip
     return out
 

@@ -8,6 +8,9 @@ One launch serves every sequence: the grid is (query tiles, KV heads) with a til
 built on the device (no host sync, shape-only grid). Grouped-query natively: a tile's rows are
 BLOCK_Q query tokens x the `group` query heads sharing one KV head (row = token * group + head),
 so each key/value tile is loaded once for the whole group.
+
+With an 8-bit cache's tail (`server/kv_cache/tail_blocks.py`), a sequence whose current block has
+a tail slot reads that block from the slot, in the model's dtype, in a tile after the pool's.
 """
 
 from __future__ import annotations
@@ -63,6 +66,12 @@ def _prefill_kernel(
     stride_h_block,
     stride_hs_block,
     sinks_ptr,
+    tail_ptr,
+    tail_of_ptr,
+    stride_t_kv,
+    stride_t_slot,
+    stride_t_off,
+    stride_t_head,
     PAGED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -75,6 +84,8 @@ def _prefill_kernel(
     SCALED: tl.constexpr = False,
     HOST: tl.constexpr = False,
     SINKS: tl.constexpr = False,
+    TAIL_SLOTS: tl.constexpr = False,
+    TAIL_TILE: tl.constexpr = 16,
 ):
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -108,9 +119,19 @@ def _prefill_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         table = bt_ptr + seq.to(tl.int64) * stride_bt
-        for start in range(lo, hi, BLOCK_N):
+        # The current block's tail slot (TAIL_SLOTS): its rows come from the slot, after the pool's.
+        tail_slot = -1
+        tail_lo = (ctx - 1) // BLOCK_SIZE * BLOCK_SIZE
+        pool_hi = hi
+        if TAIL_SLOTS:
+            current_page = tl.load(table + (ctx - 1) // BLOCK_SIZE)
+            if current_page < first_host:
+                tail_slot = tl.load(tail_of_ptr + current_page)
+            if tail_slot >= 0:
+                pool_hi = tl.minimum(hi, tail_lo)
+        for start in range(lo, pool_hi, BLOCK_N):
             pos = start + tl.arange(0, BLOCK_N)
-            in_ctx = pos < hi
+            in_ctx = pos < pool_hi
             if PAGED:  # pages past the device pool's (HOST) are host blocks, read where they lie
                 page = tl.load(table + pos // BLOCK_SIZE, mask=in_ctx, other=0).to(tl.int64)
                 within = (pos % BLOCK_SIZE) * stride_kb + kv_head * stride_kh
@@ -132,10 +153,27 @@ def _prefill_kernel(
                 k = (k.to(tl.float32) * k_scale[:, None]).to(q.dtype)
                 v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
             mask = (pos[None, :] <= q_pos[:, None]) & row_ok[:, None]
+            if TAIL_SLOTS:  # the pool's tiles may end before the tile's queries do (at the tail)
+                mask = mask & in_ctx[None, :]
             if USE_WINDOW:
                 mask = mask & (pos[None, :] > q_pos[:, None] - window)
             acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k, v, mask, sm_scale, softcap,
                                         USE_SOFTCAP, PRECISION)  # fmt: skip
+        if TAIL_SLOTS:
+            if (tail_slot >= 0) & (hi > tail_lo):
+                t_row = tl.arange(0, TAIL_TILE)
+                t_pos = tail_lo + t_row
+                in_tail = (t_row < BLOCK_SIZE) & (t_pos < hi)
+                t_at = tail_ptr + tail_slot.to(tl.int64) * stride_t_slot + t_row * stride_t_off
+                t_at = t_at + kv_head * stride_t_head
+                t_mask = in_tail[:, None] & dim_ok[None, :]
+                t_k = tl.load(t_at[:, None] + dims[None, :], mask=t_mask, other=0.0).to(q.dtype)
+                t_v = tl.load(t_at[:, None] + stride_t_kv + dims[None, :], mask=t_mask, other=0.0).to(q.dtype)
+                t_allowed = (t_pos[None, :] <= q_pos[:, None]) & row_ok[:, None] & in_tail[None, :]
+                if USE_WINDOW:
+                    t_allowed = t_allowed & (t_pos[None, :] > q_pos[:, None] - window)
+                acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, t_k, t_v, t_allowed, sm_scale, softcap,
+                                            USE_SOFTCAP, PRECISION)  # fmt: skip
 
         if SINKS:  # each head's learned sink, one more key of zero value
             acc, l_i = fold_sink(acc, m_i, l_i, tl.load(sinks_ptr + head).to(tl.float32))
@@ -187,6 +225,7 @@ def _launch(
     kv_scale: torch.Tensor | None = None,
     host: tuple[torch.Tensor, torch.Tensor | None, int] | None = None,
     sinks: torch.Tensor | None = None,
+    tail: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = query.shape
     paged = block_tables is not None
@@ -212,6 +251,8 @@ def _launch(
     host_cache, host_scale, first_host = host or (key.expand(2, *key.shape), None, key.shape[0])
     assert host is None or (paged and host_cache.stride()[2:] == key.stride()[1:])
     host_scales = scales if host_scale is None else (host_scale[0], host_scale[1])
+    assert tail is None or kv_scale is not None
+    tail_cache, tail_of = tail or (key.expand(2, *key.shape), query_start_loc)  # unread without TAIL_SLOTS
     _prefill_kernel[(grid, num_kv_heads)](
         query, key, value, *scales, out, table, query_start_loc, seq_lens, tile_seq, cu_tiles,
         scale, softcap or 0.0, sliding_window or 0,
@@ -220,10 +261,12 @@ def _launch(
         group, head_dim,
         host_cache[0], host_cache[1], *host_scales, first_host, host_cache.stride(1), host_scales[0].stride(0),
         query if sinks is None else sinks.float().contiguous(),
+        tail_cache, tail_of, *tail_cache.stride()[:4],
         PAGED=paged, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(head_dim), USE_SOFTCAP=softcap is not None,
         USE_WINDOW=sliding_window is not None, PRECISION=dot_precision(query.dtype), SCALED=kv_scale is not None,
-        HOST=host is not None, SINKS=sinks is not None, num_warps=4 if interpreting() else 8,
+        HOST=host is not None, SINKS=sinks is not None, TAIL_SLOTS=tail is not None,
+        TAIL_TILE=max(16, pow2(block_size)), num_warps=4 if interpreting() else 8,
         num_stages=1 if interpreting() else 2,
     )  # fmt: skip
     return out
@@ -244,13 +287,15 @@ def paged_prefill(
     kv_scale: torch.Tensor | None = None,
     host: tuple[torch.Tensor, torch.Tensor | None, int] | None = None,
     sinks: torch.Tensor | None = None,
+    tail: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Queries of each sequence (its last q_len positions) against all its earlier paged KV; with
     kv_scale [2, num_blocks, num_kv_heads, block_size] float32, an 8-bit cache with these scales;
     with `host` (as paged_decode takes it), table entries from its first id on are host blocks;
-    sinks [num_heads]: learned per-head sink logits (a key of zero value in every row)."""
+    sinks [num_heads]: learned per-head sink logits (a key of zero value in every row); tail: an
+    8-bit cache's (tail slots, block -> slot map), as paged_decode takes it."""
     return _launch(query, kv_cache[0], kv_cache[1], query_start_loc, seq_lens, block_tables,
-                   scale, sliding_window, softcap, out, block_m, block_n, kv_scale, host, sinks)  # fmt: skip
+                   scale, sliding_window, softcap, out, block_m, block_n, kv_scale, host, sinks, tail)  # fmt: skip
 
 
 def varlen_prefill(

@@ -50,6 +50,51 @@ def write_kv(
         kv_scale[i][slots // block_size, :, slots % block_size] = scale
 
 
+def write_tail(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    tail: tuple[torch.Tensor, torch.Tensor],
+) -> None:
+    """An 8-bit cache's full-precision tail (`server/kv_cache/tail_blocks.py`): each token stored
+    into a block with a tail slot is also stored there, unquantized. tail: (cache [2, slots,
+    block_size, num_kv_heads, head_dim] in the model's dtype, slot_of int32 [pool blocks])."""
+    cache, slot_of = tail
+    block_size = cache.shape[2]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    tail_slot = slot_of[slots // block_size].long()
+    has = tail_slot >= 0
+    rows = tail_slot[has] * block_size + slots[has] % block_size
+    flat = cache.view(2, -1, *cache.shape[-2:])
+    flat[0].index_copy_(0, rows, key[keep][has].to(cache.dtype))
+    flat[1].index_copy_(0, rows, value[keep][has].to(cache.dtype))
+
+
+def current_block_from_tail(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    block_table: torch.Tensor,
+    length: int,
+    tail: tuple[torch.Tensor, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's first `length` keys and values [length, H_kv, D] as read with a tail: its
+    current block's rows (the block holding position length - 1) from that block's tail slot,
+    where it has one."""
+    cache, slot_of = tail
+    block_size = cache.shape[2]
+    column = (length - 1) // block_size
+    block = int(block_table[column])
+    slot = int(slot_of[block]) if block < slot_of.shape[0] else -1
+    if slot < 0:
+        return keys, values
+    lo = column * block_size
+    keys, values = keys.clone(), values.clone()
+    keys[lo:length] = cache[0, slot, : length - lo].to(keys.dtype)
+    values[lo:length] = cache[1, slot, : length - lo].to(values.dtype)
+    return keys, values
+
+
 def with_host_blocks(
     kv_cache: torch.Tensor,
     kv_scale: torch.Tensor | None,
@@ -299,10 +344,12 @@ def paged_attention(
     kv_scale: torch.Tensor | None = None,
     host: tuple[torch.Tensor, torch.Tensor | None, int] | None = None,
     sinks: torch.Tensor | None = None,
+    tail: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Variable-length attention over the paged cache: prefill chunks, prefix hits and decode alike
     (an 8-bit cache with kv_scale: its keys and values dequantized, as `gather_kv` gives them; with
-    `host`, host blocks read as `gather_kv` reads them; sinks: as `masked_attention` takes them)."""
+    `host`, host blocks read as `gather_kv` reads them; sinks: as `masked_attention` takes them;
+    tail: each sequence's current block read as `current_block_from_tail` reads it)."""
     out = torch.zeros_like(query)
     starts = query_start_loc.tolist()
     for i, seq_len in enumerate(seq_lens.tolist()):
@@ -310,6 +357,8 @@ def paged_attention(
         if hi == lo:
             continue
         k, v = gather_kv(kv_cache, block_tables[i], seq_len, kv_scale, host)
+        if tail is not None:
+            k, v = current_block_from_tail(k, v, block_tables[i], seq_len, tail)
         mask = causal_mask(hi - lo, seq_len, sliding_window, query.device)
         out[lo:hi] = masked_attention(query[lo:hi], k, v, mask, scale, softcap, upcast, sinks)
     return out
@@ -328,11 +377,13 @@ def selected_decode(
     host: tuple[torch.Tensor, torch.Tensor | None, int] | None = None,
     sinks: torch.Tensor | None = None,
     hot: torch.Tensor | None = None,
+    tail: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Selective decode (`kernels/decode_selection.py`): each KV head's query heads attend over
     the keys of that head's chosen blocks and the current block, as if they were the context
     (`host`: as `gather_kv` reads it; sinks: as `masked_attention` takes them; `hot`: per KV head
-    the device block holding each host block, or -1, read instead: `paged_decode`'s)."""
+    the device block holding each host block, or -1, read instead: `paged_decode`'s; tail: the
+    current block read as `current_block_from_tail` reads it)."""
     out = torch.zeros_like(query)
     num_kv, block_size = kv_cache.shape[3], kv_cache.shape[2]
     group = query.shape[1] // num_kv
@@ -347,6 +398,8 @@ def selected_decode(
             if hot is not None:
                 table = _through_hot_blocks(table, hot[h], host[2])
             k, v = gather_kv(kv_cache, table, length, kv_scale, host)
+            if tail is not None:
+                k, v = current_block_from_tail(k, v, table, length, tail)
             heads = slice(h * group, (h + 1) * group)
             allowed = torch.ones(1, length, dtype=torch.bool, device=query.device)
             out[s, heads] = masked_attention(query[s : s + 1, heads], k[:, h : h + 1], v[:, h : h + 1], allowed,
