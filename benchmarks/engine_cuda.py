@@ -160,6 +160,7 @@ def engine_section(args: argparse.Namespace, model_dir: Path) -> dict[str, float
             async_scheduling=not args.no_async_scheduling,
             quantize=args.quantize,
             kv_cache_dtype=args.kv_cache_dtype,
+            kv_cache_tail=not args.no_kv_cache_tail,
         )
     )
     if not args.no_gc_freeze:  # as the engine process does once it is ready
@@ -214,6 +215,7 @@ def long_prompt_section(args: argparse.Namespace, model_dir: Path) -> dict[str, 
             enable_prefix_caching=False,  # each run computes its whole prompt
             quantize=args.quantize,
             kv_cache_dtype=args.kv_cache_dtype,
+            kv_cache_tail=not args.no_kv_cache_tail,
         )
     )
     if not args.no_gc_freeze:
@@ -316,6 +318,9 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--quantize", choices=["fp8"], help="the engine's projections in fp8")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8: what the KV cache stores")
+    parser.add_argument(
+        "--no-kv-cache-tail", action="store_true", help="an 8-bit cache without its full-precision tail"
+    )
     parser.add_argument(
         "--no-async-scheduling", action="store_true", help="wait for each step's tokens before the next"
     )

@@ -8,6 +8,9 @@ how far below its largest logit the engine's token lies (in logit units, and for
 logits' rounding steps). The model-dtype cache's own agreement is the scale of the near-ties the
 fp8 cache adds to.
 
+An 8-bit cache keeps each sequence's current block in the model's dtype too (`--kv-cache-tail`,
+on by default); a name with ":no-tail" (e.g. fp8:no-tail) runs it without.
+
 Run on a GPU: python benchmarks/fp8_kv_agreement.py --gguf PATH (--device cpu: the CPU backend)
 """
 
@@ -50,14 +53,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     parser.add_argument("--device", default="cuda", help="cuda, or cpu (the CPU backend's kernels)")
-    parser.add_argument("--kv-cache-dtypes", nargs="+", default=["auto", "fp8"], help="auto, fp8, int8")
+    parser.add_argument("--kv-cache-dtypes", nargs="+", default=["auto", "fp8"], help="auto, fp8, int8; fp8:no-tail, int8:no-tail")
     args = parser.parse_args()
     rows = []
     for dtype in args.dtypes:
         runs = {}
         for kv in args.kv_cache_dtypes:
+            name, _, option = kv.partition(":")
             engine = LLMEngine(EngineArgs(model=args.gguf, dtype=dtype, max_num_seqs=32, device=args.device,
-                                          kv_cache_dtype=kv))  # fmt: skip
+                                          kv_cache_dtype=name, kv_cache_tail=option != "no-tail"))  # fmt: skip
             prompts = chat_prompts(engine.tokenizer)
             runs[kv] = engine_greedy(engine, prompts, args.steps)
             del engine

@@ -96,6 +96,13 @@ FLAGS: tuple[Flag, ...] = (
         "and KV head: twice the tokens of bf16, int8 the closer to it; CUDA and the CPU",
     ),
     Flag(
+        "kv-cache-tail",
+        parse_bool,
+        True,
+        "With an 8-bit KV cache, keep each running sequence's current block in the model's dtype too: the "
+        "latest keys, which a decoding query weighs most, stay exact (false: every row 8-bit)",
+    ),
+    Flag(
         "decode-attention-budget",
         int,
         4096,
@@ -274,6 +281,7 @@ def engine_args(args: argparse.Namespace) -> dict[str, Any]:
         "programmatic_dependent_launch": args.programmatic_dependent_launch,
         "sparse_prefill": args.sparse_prefill,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "kv_cache_tail": args.kv_cache_tail,
         "decode_attention_budget": args.decode_attention_budget,
         "decode_attention_min_context": args.decode_attention_min_context,
         "kv_offload_gb": args.kv_offload_gb,

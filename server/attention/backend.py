@@ -19,6 +19,7 @@ from tgserve.server.attention.metadata import AttentionMetadata
 from tgserve.server.kv_cache.hot_blocks import HotLayer
 from tgserve.server.kv_cache.key_copies import LayerKeyCopy
 from tgserve.server.kv_cache.spec import KVCacheSpec
+from tgserve.server.kv_cache.tail_blocks import LayerTail
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,14 @@ class AttentionLayerParams:
     # with a zero value in every row's softmax, taking a share of the attention. The CPU and CUDA
     # backends compute them; the model loader refuses such models on a Gaudi.
     sinks: torch.Tensor | None = None
+    # An 8-bit cache's full-precision tail (server/kv_cache/tail_blocks.py): rows written into a
+    # block with a slot go there too, and each sequence's current block is read from its slot.
+    tail: LayerTail | None = None
+
+    @property
+    def tail_args(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(tail slots, block -> slot map), as the kernels take them, or None."""
+        return None if self.tail is None else self.tail.as_kernel_args
 
 
 @dataclass

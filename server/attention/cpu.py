@@ -17,16 +17,19 @@ from tgserve.kernels.decode_selection import DecodeSelection, chosen_mask, selec
 from tgserve.kernels.kv_format import dequantize_kv
 from tgserve.kernels.reference import (
     causal_mask,
+    current_block_from_tail,
     gather_kv,
     key_copy_slots,
     masked_attention,
     softmax_with_sinks,
     update_key_summaries,
     write_kv,
+    write_tail,
 )
 from tgserve.server.attention.backend import AttentionBackend, AttentionLayerParams, HostBlocks, StepPlan
 from tgserve.server.attention.metadata import AttentionMetadata
 from tgserve.server.kv_cache.hot_blocks import admit_and_fill
+from tgserve.server.kv_cache.tail_blocks import LayerTail
 
 
 def attend(
@@ -187,6 +190,25 @@ def gathered_blocks(
     return keys.view(batch, -1, *keys.shape[1:]), values.view(batch, -1, *values.shape[1:])
 
 
+def with_current_tails(
+    keys: torch.Tensor, values: torch.Tensor, group: DecodeGroup, tail: LayerTail
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The group's gathered keys and values [B, L, H_kv, D] with each sequence's current block
+    read from its tail slot where it has one (`reference.current_block_from_tail`, batched)."""
+    batch, block_size = keys.shape[0], tail.cache.shape[2]
+    columns = group.query_pos[:, 0] // block_size
+    blocks = group.block_ids.view(batch, group.num_blocks)[torch.arange(batch), columns]
+    slots = tail.slot_of[blocks.clamp(max=tail.slot_of.shape[0] - 1)].long()
+    slots = torch.where(blocks < tail.slot_of.shape[0], slots, -1)
+    rows = (slots >= 0).nonzero()[:, 0]
+    if rows.numel() == 0:
+        return keys, values
+    shape = (batch, group.num_blocks, block_size, *keys.shape[2:])
+    for side, gathered in enumerate((keys, values)):
+        gathered.view(shape)[rows, columns[rows]] = tail.cache[side, slots[rows]].to(gathered.dtype)
+    return keys, values
+
+
 def _with_held_heads(
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -306,6 +328,8 @@ def decode_attention(
     if group.selected is not None and layer.key_summary is not None:
         allowed = allowed & chosen_positions(query, kv_cache, group, layer, selection)
     keys, values = gathered_blocks(kv_cache, layer.kv_scale, group, layer.host)
+    if layer.tail is not None:
+        keys, values = with_current_tails(keys, values, group, layer.tail)
     if layer.softcap is None and layer.sinks is None:
         out = F.scaled_dot_product_attention(
             query[:, :, None, :],
@@ -346,6 +370,8 @@ class CpuAttentionBackend(AttentionBackend[CpuStepPlan]):
         metadata = plan.metadata
         if layer.kv_scale is not None:  # an 8-bit cache: each row quantized with its own scale
             write_kv(key, value, kv_cache, metadata.slot_mapping, layer.kv_scale)
+            if layer.tail is not None:
+                write_tail(key, value, metadata.slot_mapping, layer.tail_args)
         elif plan.writes_every_slot:
             flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
             flat[0].index_copy_(0, metadata.slot_mapping, key.to(kv_cache.dtype))
@@ -364,6 +390,8 @@ class CpuAttentionBackend(AttentionBackend[CpuStepPlan]):
                 k, v = key[begin:end], value[begin:end]
             else:
                 k, v = sequence_kv(kv_cache, layer.kv_scale, layer.host, metadata.block_tables[i], seq_len)
+                if layer.tail is not None:
+                    k, v = current_block_from_tail(k, v, metadata.block_tables[i], seq_len, layer.tail_args)
             if fresh and window is None:
                 allowed = None
             elif (i, window) in plan.prefill_masks:

@@ -152,7 +152,7 @@ class CudaAttentionBackend(AttentionBackend[CudaStepPlan]):
         return cuda_step_plan(metadata, self.selection)
 
     def _store(self, key, value, kv_cache, metadata: AttentionMetadata, layer: AttentionLayerParams) -> None:
-        dispatch.write_kv(key, value, kv_cache, metadata.slot_mapping, layer.kv_scale)
+        dispatch.write_kv(key, value, kv_cache, metadata.slot_mapping, layer.kv_scale, layer.tail_args)
         if layer.key_summary is not None:
             dispatch.update_key_summaries(key, metadata.slot_mapping, layer.key_summary, metadata.block_size)
 
@@ -182,6 +182,7 @@ class CudaAttentionBackend(AttentionBackend[CudaStepPlan]):
                 host=_host(layer.host),
                 sinks=layer.sinks,
                 hot=hot,
+                tail=layer.tail_args,
             )
         self._store(key, value, kv_cache, metadata, layer)
         if plan.path is CudaPath.FRESH:
@@ -212,6 +213,7 @@ class CudaAttentionBackend(AttentionBackend[CudaStepPlan]):
             kv_scale=layer.kv_scale,
             host=_host(layer.host),
             sinks=layer.sinks,
+            tail=layer.tail_args,
         )
         if decodes is not None:
             out[decodes.rows] = self._selective_decode(query[decodes.rows], kv_cache, layer, decodes)
@@ -229,7 +231,7 @@ class CudaAttentionBackend(AttentionBackend[CudaStepPlan]):
         return dispatch.paged_decode(query, kv_cache, tables, seq_lens, layer.scale, None, layer.softcap,
                                      max_seq_len=bound, kv_scale=layer.kv_scale,
                                      selection=(chosen, decodes.lengths), host=_host(layer.host),
-                                     sinks=layer.sinks, hot=hot)  # fmt: skip
+                                     sinks=layer.sinks, hot=hot, tail=layer.tail_args)  # fmt: skip
 
     def forward_rows(self, query, key, value, kv_cache, plan: CudaStepPlan, layer: AttentionLayerParams,
                      rows: torch.Tensor) -> torch.Tensor:  # fmt: skip
@@ -261,6 +263,7 @@ class CudaAttentionBackend(AttentionBackend[CudaStepPlan]):
             kv_scale=layer.kv_scale,
             host=_host(layer.host),
             sinks=layer.sinks,
+            tail=layer.tail_args,
         )
         if decodes is not None:
             out[at.int().argmax(0)] = self._selective_decode(query[decodes.rows], kv_cache, layer, decodes)

@@ -15,6 +15,7 @@ import torch
 from tgserve.server.attention.backend import AttentionBackend, AttentionLayerParams, HostBlocks, StepPlan
 from tgserve.server.attention.metadata import AttentionMetadata
 from tgserve.server.kv_cache.spec import KVCacheSpec
+from tgserve.server.kv_cache.tail_blocks import LayerTail
 
 
 @dataclass
@@ -30,6 +31,7 @@ class ForwardContext:
     kv_scales: list[torch.Tensor | None] = field(default_factory=list)
     key_summaries: list[torch.Tensor | None] = field(default_factory=list)  # selective decode's, per layer
     host_blocks: list[HostBlocks | None] = field(default_factory=list)  # the long-context tier's, per layer
+    tails: list[LayerTail | None] = field(default_factory=list)  # an 8-bit cache's tail slots, per layer
 
     def kv_scale(self, layer_idx: int) -> torch.Tensor | None:
         return self.kv_scales[layer_idx] if self.kv_scales else None
@@ -39,6 +41,9 @@ class ForwardContext:
 
     def host(self, layer_idx: int) -> HostBlocks | None:
         return self.host_blocks[layer_idx] if self.host_blocks else None
+
+    def tail(self, layer_idx: int) -> LayerTail | None:
+        return self.tails[layer_idx] if self.tails else None
 
     @property
     def metadata(self) -> AttentionMetadata:
@@ -82,7 +87,8 @@ def paged_attention(
     per-head sink logits (`AttentionLayerParams.sinks`)."""
     ctx = get_forward_context()
     layer = AttentionLayerParams(ctx.specs[layer_idx], scale, softcap, layer_idx, ctx.kv_scale(layer_idx),
-                                 ctx.key_summary(layer_idx), out, ctx.host(layer_idx), sinks)  # fmt: skip
+                                 ctx.key_summary(layer_idx), out, ctx.host(layer_idx), sinks,
+                                 ctx.tail(layer_idx))  # fmt: skip
     cache = ctx.kv_caches[layer_idx]
     if rows is None:
         return ctx.backend.forward(query, key, value, cache, ctx.plan, layer)

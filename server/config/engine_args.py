@@ -32,6 +32,9 @@ class EngineArgs:
     # What the KV cache stores: "auto" (the model's dtype) or "fp8" (e4m3 with a scale per token and
     # KV head, half the bytes of bf16; kv_cache/spec.py). vLLM's flag and names.
     kv_cache_dtype: str = "auto"
+    # An 8-bit cache keeps each running sequence's current block in the model's dtype too, the keys
+    # a decoding query weighs most (kv_cache/tail_blocks.py): one block a sequence beside the pool.
+    kv_cache_tail: bool = True
     # Selective decode attention (kernels/decode_selection.py): a decoding sequence whose context is
     # longer than decode_attention_min_context tokens attends over decode_attention_budget of them,
     # the blocks its query's heads score highest (0: always dense). Blocks keep key summaries only

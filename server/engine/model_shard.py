@@ -40,6 +40,7 @@ from tgserve.server.kv_cache.spec import (
     kv_cache_specs,
     with_key_summaries,
 )
+from tgserve.server.kv_cache.tail_blocks import tail_bytes
 from tgserve.server.loading.description import ModelDescription
 from tgserve.server.loading.source import ModelSource
 from tgserve.server.models.kept_states import KeptStates
@@ -79,6 +80,7 @@ class ModelShard:
         max_model_len: int,
     ) -> None:
         self.args, self.source, self.device, self.max_model_len = args, source, device, max_model_len
+        self.model_dtype = dtype
         self.key_copy_slots: int | None = None  # set as the pool is sized
         self.hot_slots: int | None = None  # likewise: the hot-block cache's device blocks
         cache_dtype = kv_cache_dtype(args.kv_cache_dtype, dtype)  # a wrong name fails before the load
@@ -211,7 +213,9 @@ class ModelShard:
         scratch = self.backend.scratch_blocks  # allocated beyond the block manager's blocks
         if not self._profiles_gpu_memory():
             memory = self._less_host_tier_copies(
-                (args.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES) - self.host_summary_bytes
+                (args.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES)
+                - self.host_summary_bytes
+                - self.tail_bytes
             )
             blocks = max(1, num_blocks_for_memory(self.specs, args.block_size, memory) - scratch)
             return self._pool_beside_kept_states(blocks, memory)
@@ -224,7 +228,9 @@ class ModelShard:
             self._profile_whole_prompt(self._whole_prompt_step())
         self.forward.release_pool()
         logger.info(self.memory_profile.describe())
-        budget = self._less_host_tier_copies(self.memory_profile.kv_budget_bytes - self.host_summary_bytes)
+        budget = self._less_host_tier_copies(
+            self.memory_profile.kv_budget_bytes - self.host_summary_bytes - self.tail_bytes
+        )
         blocks = max(1, num_blocks_for_memory(self.specs, args.block_size, budget) - scratch)
         return self._pool_beside_kept_states(blocks, budget)
 
@@ -317,6 +323,10 @@ class ModelShard:
             self.key_copy_slots = self._key_copy_slots(pool_bytes)
             self.hot_slots = self._hot_slots(pool_bytes)
         self.forward.allocate_pool(self.first_host_block_id, self.args.block_size, self.device)
+        tails = self.forward.attach_tails(self.tail_slots, self.model_dtype)
+        if tails is not None:
+            logger.info("8-bit KV cache: each running sequence's current block also kept in %s, %d slots (%.2f GiB)",
+                        str(self.model_dtype).removeprefix("torch."), tails.num_slots, self.tail_bytes / GIB)  # fmt: skip
         if self.num_host_blocks:
             self.host_pool = HostKVPool(self.forward.block_tensors(), self.num_host_blocks, self.device)
             if self.spill_keep is not None:
@@ -335,7 +345,9 @@ class ModelShard:
             self.static_executor.warm_up(self.args.block_size, self.device)
         if self.kept_states is not None:  # the states of capture's and warm-up's steps
             self.kept_states.clear()
-        self.runner = ModelRunner(self.forward, executor, self.args.block_size, self.device, self.host_pool)
+        self.runner = ModelRunner(
+            self.forward, executor, self.args.block_size, self.device, self.host_pool, tails
+        )
         if self.args.tensor_parallel_size > 1:
             # Every rank samples the same rows: none defers a late mask by its own clock.
             self.runner.late_mask_grace_s = None
@@ -367,6 +379,16 @@ class ModelShard:
             return 1, 2
         block_size = self.args.block_size
         return self.selection.sink_blocks(block_size), self.selection.recent_blocks(block_size) + 1
+
+    @property
+    def tail_slots(self) -> int:
+        """An 8-bit cache's tail slots (`TailBlocks`): one a running sequence; 0 without a tail."""
+        return self.args.max_num_seqs if self.args.kv_cache_tail and self.specs[0].scaled else 0
+
+    @property
+    def tail_bytes(self) -> int:
+        """Device memory the tail slots take, from the KV pool's budget."""
+        return tail_bytes(self.specs, self.args.block_size, self.tail_slots, self.model_dtype)
 
     @property
     def host_summary_bytes(self) -> int:

@@ -16,6 +16,7 @@ from tgserve.server.kv_cache.hot_blocks import HotBlockCache
 from tgserve.server.kv_cache.key_copies import HostKeyCopies
 from tgserve.server.kv_cache.pool import allocate_key_summaries, allocate_kv_caches, allocate_kv_scales
 from tgserve.server.kv_cache.spec import KVCacheSpec
+from tgserve.server.kv_cache.tail_blocks import LayerTail, TailBlocks
 
 
 class ModelForward:
@@ -34,6 +35,8 @@ class ModelForward:
         self.kv_scales: list[torch.Tensor | None] = []  # an 8-bit cache's scales, per layer
         self.key_summaries: list[torch.Tensor | None] = []  # blocks' key summaries (selective decode)
         self.host_blocks: list[HostBlocks | None] = []  # per layer, where requests spill to host
+        self.tails: TailBlocks | None = None  # an 8-bit cache's full-precision tail slots
+        self.tail_layers: list[LayerTail | None] = []  # per layer, None where the cache is not 8-bit
 
     def allocate_pool(self, num_blocks: int, block_size: int, device: torch.device) -> None:
         """Every layer's KV cache of `num_blocks` blocks (and, for an 8-bit cache, its scales; where
@@ -42,6 +45,18 @@ class ModelForward:
         self.kv_caches = allocate_kv_caches(self.specs, num_blocks, block_size, device)
         self.kv_scales = allocate_kv_scales(self.specs, num_blocks, block_size, device)
         self.key_summaries = allocate_key_summaries(self.specs, num_blocks, device)
+
+    def attach_tails(self, slots: int, dtype: torch.dtype) -> TailBlocks | None:
+        """An 8-bit cache's tail (`TailBlocks`): `slots` blocks in `dtype` in every 8-bit layer,
+        each running request's current block kept there too. None where no layer is 8-bit."""
+        scaled = [(cache, scale) for cache, scale in zip(self.kv_caches, self.kv_scales or [], strict=False)
+                  if scale is not None]  # fmt: skip
+        if not scaled or slots <= 0:
+            return None
+        self.tails = TailBlocks(scaled, slots, dtype)
+        layers = iter(self.tails.layers)
+        self.tail_layers = [None if scale is None else next(layers) for scale in self.kv_scales]
+        return self.tails
 
     def attach_host_tier(
         self, views: list[torch.Tensor], first: int, key_copy_slots: int = 0, hot_slots: int = 0
@@ -123,6 +138,7 @@ class ModelForward:
 
     def release_pool(self) -> None:
         self.kv_caches, self.kv_scales, self.key_summaries, self.host_blocks = [], [], [], []
+        self.tails, self.tail_layers = None, []
 
     @torch.inference_mode()
     def __call__(
@@ -133,6 +149,6 @@ class ModelForward:
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
         context = ForwardContext(self.backend, self.backend.plan(metadata), self.kv_caches, self.specs,
-                                 self.kv_scales, self.key_summaries, self.host_blocks)  # fmt: skip
+                                 self.kv_scales, self.key_summaries, self.host_blocks, self.tail_layers)  # fmt: skip
         with forward_context(context):
             return self.model(input_ids, positions, logits_indices)

@@ -35,6 +35,7 @@ from tgserve.server.execution.forward import ModelForward
 from tgserve.server.execution.step_inputs import PromptLogprobRows, StepInputs, padded_block_table
 from tgserve.server.execution.step_rows import HostRows, span_slots
 from tgserve.server.kv_cache.host_pool import HostKVPool
+from tgserve.server.kv_cache.tail_blocks import TailBlocks
 from tgserve.server.protocol.outputs import TokenLogprob
 from tgserve.server.protocol.params import SamplingParams
 from tgserve.server.sampling.guided import LATE_MASK_GRACE_S, GuidedMatchers, StepMasks, token_mask
@@ -104,8 +105,10 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         host_pool: HostKVPool | None = None,
+        tails: TailBlocks | None = None,
     ) -> None:
         self.forward = forward
+        self.tails = tails  # an 8-bit cache's tail slots: each step's current blocks mapped to them
         self.host_pool = host_pool  # the host tier's memory: each step's block copies run through it
         self.executor = executor
         self.block_size = block_size
@@ -206,6 +209,8 @@ class ModelRunner:
     def _update_states(self, out: SchedulerOutput) -> None:
         for request_id in out.finished_request_ids | out.preempted_request_ids:
             self.requests.pop(request_id, None)
+            if self.tails is not None:
+                self.tails.release(request_id)
         for request_id in out.finished_request_ids - out.preempted_request_ids:
             self.guided.remove(request_id)  # a preempted request keeps its matcher
         for new in out.scheduled_new_requests:
@@ -236,6 +241,7 @@ class ModelRunner:
         query_start_loc, seq_lens, logits_indices, sampled = [0], [], [], []
         prompt_rows, prompt_indices = PromptLogprobRows(), []
         block_rows = []
+        current_blocks: list[tuple[str, int, int, int]] = []  # for the tail slots
         in_flight: list[tuple[int, str]] = []  # (input row, request) for tokens still on the device
         unknown_inputs: list[str] = []
         bs = self.block_size
@@ -263,6 +269,12 @@ class ModelRunner:
             query_start_loc.append(query_start_loc[-1] + count)
             seq_lens.append(end)
             block_rows.append(state.block_ids)
+            if self.tails is not None:  # (request, its current block, rows of it before and after the step)
+                first_of_current = (end - 1) // bs * bs
+                current = state.block_ids[(end - 1) // bs]
+                current_blocks.append(
+                    (request_id, current, max(0, start - first_of_current), end - first_of_current)
+                )
             if end == len(state.token_ids):
                 logits_indices.append(query_start_loc[-1] - 1)
                 sampled.append(request_id)
@@ -272,6 +284,8 @@ class ModelRunner:
                 prompt_rows.target_ids.extend(state.token_ids[start + 1 : scored_end + 1])
                 prompt_rows.top_n.extend([state.params.prompt_logprobs] * (scored_end - start))
                 prompt_indices.extend(range(query_start_loc[-2], query_start_loc[-2] + scored_end - start))
+        if self.tails is not None:
+            self.tails.plan_step(current_blocks)
         metadata = AttentionMetadata(
             query_start_loc=to_device(query_start_loc, torch.int32, self.device),
             seq_lens=to_device(seq_lens, torch.int32, self.device),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from tgserve.kernels.reference import causal_mask, gather_kv, write_kv
+from tgserve.kernels.reference import causal_mask, current_block_from_tail, gather_kv, write_kv, write_tail
 from tgserve.server.attention.forward_context import ForwardContext
 from tgserve.server.loading.hf_compat import empty_cache_init_kwargs
 
@@ -30,8 +30,11 @@ class PagedCacheAdapter(Cache):
             self.ctx.kv_scale(layer_idx),
             self.ctx.metadata,
         )
-        write_kv(key_states[0].transpose(0, 1), value_states[0].transpose(0, 1), kv_cache, meta.slot_mapping,
-                 kv_scale)  # fmt: skip
+        key, value = key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)
+        write_kv(key, value, kv_cache, meta.slot_mapping, kv_scale)
+        tail = self.ctx.tail(layer_idx)  # an 8-bit cache's full-precision tail (kv_cache/tail_blocks.py)
+        if tail is not None:
+            write_tail(key, value, meta.slot_mapping, tail.as_kernel_args)
         keys, values = [], []
         starts = meta.query_start_loc_cpu
         for i, seq_len in enumerate(meta.seq_lens_cpu):
@@ -40,6 +43,8 @@ class PagedCacheAdapter(Cache):
                 k, v = (s[0, :, begin:end].transpose(0, 1) for s in (key_states, value_states))
             else:
                 k, v = gather_kv(kv_cache, meta.block_tables[i], seq_len, kv_scale)
+                if tail is not None:
+                    k, v = current_block_from_tail(k, v, meta.block_tables[i], seq_len, tail.as_kernel_args)
             keys.append(k)
             values.append(v)
         packed_k = torch.cat(keys).transpose(0, 1)[None].to(key_states.dtype)
