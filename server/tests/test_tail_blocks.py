@@ -122,3 +122,77 @@ def test_with_the_tail_a_request_reads_the_same_alone_or_batched(kv) -> None:
     assert batched[0] == [tokens[0] for tokens, _ in alone]
     # Log-probabilities to rounding: a batch's decode gathers pad its contexts to the longest.
     torch.testing.assert_close(torch.tensor(batched[1]), torch.tensor([lp[0] for _, lp in alone]))
+
+
+def _eight_bit_step(contexts: list[int], q_lens: list[int], backend, tail: bool, last_rows: bool = False):
+    """One attention step of a layer over an e4m3 cache with key summaries, earlier tokens stored as
+    previous steps would have (into each sequence's current block's slot too, with the tail); this
+    step's rows' output (with `last_rows`, each sequence's last row's only)."""
+    from tgserve.kernels.reference import update_key_summaries, write_tail
+    from tgserve.server.attention.backend import AttentionLayerParams
+    from tgserve.server.attention.metadata import AttentionMetadata
+    from tgserve.server.kv_cache.spec import KVCacheSpec
+    from tgserve.server.kv_cache.tail_blocks import LayerTail
+
+    gen = torch.Generator().manual_seed(0)
+    block_size, heads, kv_heads, dim = 8, 8, 2, 16
+    sizes = [-(-n // block_size) for n in contexts]
+    order = torch.randperm(sum(sizes) + 2, generator=gen).tolist()
+    tables = [order[sum(sizes[:i]) : sum(sizes[: i + 1])] for i in range(len(sizes))]
+    cache = torch.zeros(2, len(order), block_size, kv_heads, dim, dtype=FP8)
+    scale = torch.zeros(2, len(order), kv_heads, block_size)
+    summary = torch.zeros(2, len(order), kv_heads, dim)
+    layer_tail = LayerTail(torch.zeros(2, len(contexts), block_size, kv_heads, dim),
+                           torch.full((len(order),), -1, dtype=torch.int32))  # fmt: skip
+    queries, keys, values, slots = [], [], [], []
+    for seq, (table, n, q_len) in enumerate(zip(tables, contexts, q_lens, strict=True)):
+        if tail:
+            layer_tail.slot_of[table[(n - 1) // block_size]] = seq
+        k, v = torch.randn(2, n, kv_heads, dim, generator=gen)
+        pos = torch.arange(n)
+        slot = torch.tensor(table)[pos // block_size] * block_size + pos % block_size
+        write_kv(k[: n - q_len], v[: n - q_len], cache, slot[: n - q_len], scale)
+        write_tail(k[: n - q_len], v[: n - q_len], slot[: n - q_len], layer_tail.as_kernel_args)
+        update_key_summaries(k[: n - q_len], slot[: n - q_len], summary, block_size)
+        queries.append(torch.randn(q_len, heads, dim, generator=gen))
+        keys.append(k[n - q_len :]), values.append(v[n - q_len :]), slots.append(slot[n - q_len :])
+    starts = [0]
+    for q_len in q_lens:
+        starts.append(starts[-1] + q_len)
+    width = max(sizes)
+    meta = AttentionMetadata(
+        torch.tensor(starts, dtype=torch.int32), torch.tensor(contexts, dtype=torch.int32),
+        torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32), torch.cat(slots),
+        starts, list(contexts), block_size,
+    )  # fmt: skip
+    layer = AttentionLayerParams(KVCacheSpec(kv_heads, dim, FP8), dim**-0.5, kv_scale=scale, key_summary=summary,
+                                 tail=layer_tail if tail else None)  # fmt: skip
+    inputs = (torch.cat(queries), torch.cat(keys), torch.cat(values), cache, backend.plan(meta), layer)
+    if last_rows:
+        return backend.forward_rows(*inputs, torch.tensor(starts[1:]) - 1)
+    return backend.forward(*inputs)
+
+
+@pytest.mark.parametrize("q_lens", [[1, 1, 1, 1], [1, 1, 30, 1]], ids=["decode", "mixed"])
+@pytest.mark.parametrize("select", [False, True])
+def test_the_cuda_path_reads_the_tail_as_the_cpu_backend(q_lens: list[int], select: bool) -> None:
+    """The cuda backend over CPU tensors runs its kernels' twins with the tail: decode, mixed steps
+    (a prompt chunk's rows and decode rows), selection, and a last layer's kept rows all read each
+    current block from its slot as the cpu backend does; without the tail the output differs."""
+    from tgserve.kernels.decode_selection import DecodeSelection
+    from tgserve.server.attention.cpu import CpuAttentionBackend
+    from tgserve.server.attention.cuda import CudaAttentionBackend
+
+    selection = DecodeSelection(64, 64, sink=8, recent=16) if select else None
+    contexts = [200, 150, 90, 45]
+    cpu = _eight_bit_step(contexts, q_lens, CpuAttentionBackend(selection), tail=True)
+    cuda = _eight_bit_step(contexts, q_lens, CudaAttentionBackend(None, selection), tail=True)
+    torch.testing.assert_close(cuda, cpu, atol=1e-5, rtol=1e-5)
+    last = [start + q - 1 for start, q in zip([0, 1, 2, 2 + q_lens[2]], q_lens, strict=True)]
+    without = _eight_bit_step(contexts, q_lens, CpuAttentionBackend(selection), tail=False)
+    # Each sequence's last row attends its current block (a chunk's earlier rows may not reach it).
+    assert (cpu[last] - without[last]).abs().amax(-1).amax(-1).gt(1e-4).all()
+    cuda_last = _eight_bit_step(
+        contexts, q_lens, CudaAttentionBackend(None, selection), tail=True, last_rows=True
+    )
+    torch.testing.assert_close(cuda_last, cpu[last], atol=1e-5, rtol=1e-5)
