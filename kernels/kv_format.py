@@ -9,7 +9,9 @@ scale, set when the row is written, so no calibration is needed and nothing satu
   steps on the CPU (32 prompts x 32 steps): in float32, an int8 cache agrees with the full
   precision one on 1007/1024, an e4m3 one on 989; in bf16, with a bf16 cache on 999 and 974 (the
   bf16 engine with bf16 transformers: 1004). Keys carry the difference
-  (docs/benchmarks/2026-12-05-issue-34-standing-and-rescue-costs.md).
+  (docs/benchmarks/2026-12-05-issue-34-standing-and-rescue-costs.md). Those counts are without the
+  full-precision tail, each sequence's current block kept in the model's dtype beside the pool
+  (`server/kv_cache/tail_blocks.py`): with it, float32 1013 (int8) and 1003 (e4m3).
 
 Both widen exactly to f16 in the kernels that read them. These are the torch twins of
 `triton_common.scaled_kv_rows`, matched bit for bit.

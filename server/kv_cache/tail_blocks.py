@@ -1,11 +1,11 @@
 """An 8-bit cache's full-precision tail: each sequence's current block kept in the model's dtype too.
 
 An e4m3 cache rounds every key to three mantissa bits, and the keys a decoding query weighs most
-are its latest ones: on SmolLM2 an fp8 cache agreed with the full-precision one on 989 of 1,024
-greedy steps, and keeping each query's own block exact (values too) raised it to ~998-1,004 in an
-emulation of the cache (docs/benchmarks/2026-12-06-fp8-key-window-cpu.md). This is KIVI's
-full-precision residual at block granularity: the block being filled is read at full precision,
-and it is read from the 8-bit pool once the sequence has moved past it.
+are its latest ones: on SmolLM2 (float32, CPU) an fp8 cache agreed with the full-precision one on
+989 of 1,024 greedy steps; with the tail, 1,003 (int8: 1,007 and 1,013;
+docs/benchmarks/2026-12-06-kv-tail-agreement-cpu.md). This is KIVI's full-precision residual at
+block granularity: the block being filled is read at full precision, and it is read from the 8-bit
+pool once the sequence has moved past it.
 
 The rule every backend follows, so that each reads what the CPU twin reads:
 - every row written into a block that has a tail slot (`slot_of[block] >= 0`) is also written
