@@ -78,7 +78,7 @@ def _step(
     `last_rows`, each sequence's last row's only, as a model's last layer asks)."""
     from tgserve.kernels.reference import update_key_summaries, write_kv
     from tgserve.server.attention.backend import AttentionLayerParams
-    from tgserve.server.attention.metadata import AttentionMetadata
+    from tgserve.server.testing.attention_steps import step_metadata
 
     gen = torch.Generator().manual_seed(seed)
     block_size, heads, kv_heads, dim = 8, 8, 2, 16
@@ -99,19 +99,11 @@ def _step(
         update_key_summaries(k[: n - q_len], slot[: n - q_len], summary, block_size)
         queries.append(torch.randn(q_len, heads, dim, generator=gen))
         keys.append(k[n - q_len :]), values.append(v[n - q_len :]), slots.append(slot[n - q_len :])
-    starts = [0]
-    for q_len in q_lens:
-        starts.append(starts[-1] + q_len)
-    width = max(len(t) for t in tables)
-    meta = AttentionMetadata(
-        torch.tensor(starts, dtype=torch.int32), torch.tensor(contexts, dtype=torch.int32),
-        torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32), torch.cat(slots),
-        starts, list(contexts), block_size,
-    )  # fmt: skip
+    meta = step_metadata(tables, contexts, q_lens, torch.cat(slots), block_size)
     layer = AttentionLayerParams(KVCacheSpec(kv_heads, dim, torch.float32), dim**-0.5, key_summary=summary)
     inputs = (torch.cat(queries), torch.cat(keys), torch.cat(values), cache, backend.plan(meta), layer)
     if last_rows:
-        return backend.forward_rows(*inputs, torch.tensor(starts[1:]) - 1)
+        return backend.forward_rows(*inputs, meta.query_start_loc[1:].long() - 1)
     return backend.forward(*inputs)
 
 
