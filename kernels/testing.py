@@ -106,6 +106,32 @@ def to_device(t: torch.Tensor, device: str | torch.device) -> torch.Tensor:
     return storage.as_strided(t.shape, t.stride()).copy_(t)
 
 
+# The kernels against their twins on the same 8-bit cache: both dequantize the same bytes with the
+# same scales, so they differ only as the dense kernels do (summation order, fp16 products).
+EIGHT_BIT_ATOL = {torch.float32: 2e-5, torch.float16: 4e-3}
+
+
+def eight_bit_reference(
+    batch: PagedBatch,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    tail: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """The torch twin's attention over the batch's 8-bit cache, on the CPU (with `tail`, each
+    sequence's current block read from its slot: `reference.current_block_from_tail`)."""
+    return reference.paged_attention(batch.query.cpu(), batch.kv_cache.cpu(), batch.block_tables.cpu(),
+                                     batch.query_start_loc.cpu(), batch.seq_lens.cpu(), scale, window, softcap,
+                                     kv_scale=batch.kv_scale.cpu(), tail=tail)  # fmt: skip
+
+
+def check_eight_bit(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    """A kernel's output against `eight_bit_reference`: every row written and finite, within
+    EIGHT_BIT_ATOL."""
+    assert torch.isfinite(got).all(), "rows left unwritten, or a read outside the context"
+    assert max_abs_err(got.cpu(), want) <= EIGHT_BIT_ATOL[dtype]
+
+
 def max_abs_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """Largest elementwise difference, in float32."""
     return (a.float() - b.float()).abs().max().item() if a.numel() else 0.0

@@ -16,12 +16,15 @@ from tgserve.kernels.kv_format import INT8, dequantize_kv, quantize_kv
 from tgserve.kernels.kv_write import write_kv
 from tgserve.kernels.paged_decode import paged_decode
 from tgserve.kernels.paged_prefill import paged_prefill
-from tgserve.kernels.testing import make_paged_batch, max_abs_err, rel_l2, with_8_bit_cache
+from tgserve.kernels.testing import (
+    check_eight_bit,
+    eight_bit_reference,
+    make_paged_batch,
+    rel_l2,
+    with_8_bit_cache,
+)
 from tgserve.kernels.triton_common import widen_f16
 
-# Tolerances of the kernels against the twin on the same fp8 cache: both dequantize the same bytes
-# with the same scales, so they differ only as the dense kernels do (summation order, fp16 products).
-ATOL = {torch.float32: 2e-5, torch.float16: 4e-3}
 KV_FORMATS = pytest.mark.parametrize("kv", [FP8, INT8], ids=["e4m3", "int8"])
 
 
@@ -95,17 +98,6 @@ def _poison(kv: torch.dtype) -> float:
     return -128 if kv == INT8 else float("nan")
 
 
-def _reference(batch, scale: float, window=None, softcap=None) -> torch.Tensor:
-    return reference.paged_attention(batch.query.cpu(), batch.kv_cache.cpu(), batch.block_tables.cpu(),
-                                     batch.query_start_loc.cpu(), batch.seq_lens.cpu(), scale, window, softcap,
-                                     kv_scale=batch.kv_scale.cpu())  # fmt: skip
-
-
-def _check(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
-    assert torch.isfinite(got).all(), "rows left unwritten, or a read outside the context"
-    assert max_abs_err(got.cpu(), want) <= ATOL[dtype]
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("heads,splits,window", [((8, 2), 1, None), ((4, 4), 3, None), ((8, 1), 2, 6)])
 @KV_FORMATS
@@ -117,7 +109,7 @@ def test_decode_over_8_bits_matches_reference(device, dtype, heads, splits, wind
     out = torch.full_like(batch.query, float("nan"))
     paged_decode(batch.query, batch.kv_cache, batch.block_tables, batch.seq_lens, 0.3, window, out=out,
                  num_splits=splits, kv_scale=batch.kv_scale)  # fmt: skip
-    _check(out, _reference(batch, 0.3, window), dtype)
+    check_eight_bit(out, eight_bit_reference(batch, 0.3, window), dtype)
 
 
 @pytest.mark.parametrize("many_programs", [False, True])
@@ -141,7 +133,7 @@ def test_decode_over_8_bits_in_either_gpu_tile(device, monkeypatch, many_program
     out = torch.full_like(batch.query, float("nan"))
     paged_decode(batch.query, batch.kv_cache, batch.block_tables, batch.seq_lens, 0.1, out=out,
                  step_kv=(full.key, full.value, full.slot_mapping), kv_scale=batch.kv_scale)  # fmt: skip
-    _check(out, _reference(batch, 0.1), torch.float16)
+    check_eight_bit(out, eight_bit_reference(batch, 0.1), torch.float16)
 
 
 @pytest.mark.parametrize("splits", [1, 3])
@@ -163,7 +155,7 @@ def test_decode_stores_the_step_kv_into_8_bits(device, splits, kv):
                  step_kv=(full.key, full.value, slots), kv_scale=kv_scale)  # fmt: skip
     want_cache, want_scale = batch.kv_cache.cpu().clone(), batch.kv_scale.cpu().clone()
     # Row 1's slot was not poisoned, so the cache keeps what make_paged_batch stored there.
-    _check(out, _reference(batch, 0.3), torch.float32)
+    check_eight_bit(out, eight_bit_reference(batch, 0.3), torch.float32)
     torch.testing.assert_close(kv_scale.cpu(), want_scale, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(cache.cpu().float(), want_cache.float(), rtol=0, atol=0, equal_nan=True)
 
@@ -178,7 +170,7 @@ def test_prefill_over_8_bits_matches_reference(device, dtype, window, softcap, k
     out = torch.full_like(batch.query, float("nan"))
     paged_prefill(batch.query, batch.kv_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens, 0.2,
                   window, softcap, out=out, kv_scale=batch.kv_scale)  # fmt: skip
-    _check(out, _reference(batch, 0.2, window, softcap), dtype)
+    check_eight_bit(out, eight_bit_reference(batch, 0.2, window, softcap), dtype)
 
 
 @pytest.mark.parametrize("kv,limit", [(FP8, 0.05), (INT8, 0.02)], ids=["e4m3", "int8"])
@@ -203,4 +195,4 @@ def test_dispatch_write_then_prefill_on_8_bits(device, kv):
     dispatch.write_kv(full.key, full.value, cache, full.slot_mapping, kv_scale)
     got = dispatch.paged_prefill(batch.query, cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
                                  0.3, kv_scale=kv_scale)  # fmt: skip
-    _check(got, _reference(batch, 0.3), torch.float32)
+    check_eight_bit(got, eight_bit_reference(batch, 0.3), torch.float32)

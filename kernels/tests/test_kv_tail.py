@@ -15,9 +15,15 @@ from tgserve.kernels.kv_format import INT8
 from tgserve.kernels.kv_write import write_kv
 from tgserve.kernels.paged_decode import paged_decode
 from tgserve.kernels.paged_prefill import paged_prefill
-from tgserve.kernels.testing import make_paged_batch, max_abs_err, with_8_bit_cache
+from tgserve.kernels.testing import (
+    EIGHT_BIT_ATOL,
+    check_eight_bit,
+    eight_bit_reference,
+    make_paged_batch,
+    max_abs_err,
+    with_8_bit_cache,
+)
 
-ATOL = {torch.float32: 2e-5, torch.float16: 4e-3}
 KV_FORMATS = pytest.mark.parametrize("kv", [FP8, INT8], ids=["e4m3", "int8"])
 
 
@@ -46,17 +52,6 @@ def _on(device, tail: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, 
     return tail[0].to(device), tail[1].to(device)
 
 
-def _reference(batch, scale: float, tail, window=None) -> torch.Tensor:
-    return reference.paged_attention(batch.query.cpu(), batch.kv_cache.cpu(), batch.block_tables.cpu(),
-                                     batch.query_start_loc.cpu(), batch.seq_lens.cpu(), scale, window,
-                                     kv_scale=batch.kv_scale.cpu(), tail=tail)  # fmt: skip
-
-
-def _check(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
-    assert torch.isfinite(got).all(), "a read past the context or of a row never written"
-    assert max_abs_err(got.cpu(), want) <= ATOL[dtype]
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("heads,splits,window", [((8, 2), 1, None), ((4, 4), 3, None), ((8, 1), 2, 6)])
 @KV_FORMATS
@@ -68,10 +63,10 @@ def test_decode_reads_the_current_block_from_its_tail_slot(device, dtype, heads,
     out = torch.full_like(batch.query, float("nan"))
     paged_decode(batch.query, batch.kv_cache, batch.block_tables, batch.seq_lens, 0.3, window, out=out,
                  num_splits=splits, kv_scale=batch.kv_scale, tail=_on(device, tail))  # fmt: skip
-    want = _reference(batch, 0.3, tail, window)
-    _check(out, want, dtype)
+    want = eight_bit_reference(batch, 0.3, window, tail=tail)
+    check_eight_bit(out, want, dtype)
     # The twin's tail is what changes the result: without it, the current blocks' rows are 8-bit.
-    without = _reference(batch, 0.3, None, window)
+    without = eight_bit_reference(batch, 0.3, window)
     differs = (want - without).abs().amax((1, 2)) > 0
     assert differs.tolist() == [True, True, False, True, True, False, True]
 
@@ -86,7 +81,7 @@ def test_a_context_within_its_slotted_block_reads_no_8_bit_row(device, kv):
                        kv_scale=batch.kv_scale, tail=_on(device, _tails(full, [True] * 3, torch.float32)))  # fmt: skip
     exact = reference.paged_attention(full.query.cpu(), full.kv_cache.cpu(), full.block_tables.cpu(),
                                       full.query_start_loc.cpu(), full.seq_lens.cpu(), 0.3)  # fmt: skip
-    assert max_abs_err(out.cpu(), exact) <= ATOL[torch.float32]
+    assert max_abs_err(out.cpu(), exact) <= EIGHT_BIT_ATOL[torch.float32]
 
 
 @pytest.mark.parametrize("splits", [1, 3])
@@ -111,7 +106,7 @@ def test_decode_stores_the_step_kv_into_the_tail_slot_too(device, splits, kv):
     paged_decode(batch.query, batch.kv_cache, batch.block_tables, batch.seq_lens, 0.3, out=out, num_splits=splits,
                  step_kv=(full.key, full.value, full.slot_mapping), kv_scale=batch.kv_scale, tail=tail)  # fmt: skip
     torch.testing.assert_close(tail[0].cpu(), want_tail, rtol=0, atol=0, equal_nan=True)
-    _check(out, _reference(batch, 0.3, (want_tail, slot_of)), dtype)
+    check_eight_bit(out, eight_bit_reference(batch, 0.3, tail=(want_tail, slot_of)), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -142,7 +137,7 @@ def test_prefill_reads_the_current_block_from_its_tail_slot(device, dtype, windo
     out = torch.full_like(batch.query, float("nan"))
     paged_prefill(batch.query, batch.kv_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens, 0.2,
                   window, out=out, kv_scale=batch.kv_scale, tail=_on(device, tail))  # fmt: skip
-    _check(out, _reference(batch, 0.2, tail, window), dtype)
+    check_eight_bit(out, eight_bit_reference(batch, 0.2, window, tail=tail), dtype)
 
 
 def test_selected_decode_reads_the_current_block_from_its_tail_slot(device):
@@ -170,4 +165,4 @@ def test_selected_decode_reads_the_current_block_from_its_tail_slot(device):
     got = paged_decode(batch.query.to(device), batch.kv_cache.to(device), tables.to(device), seq_lens.to(device),
                        0.2, kv_scale=batch.kv_scale.to(device), selection=(chosen.to(device), lengths.to(device)),
                        tail=_on(device, tail)).cpu()  # fmt: skip
-    _check(got, want, torch.float32)
+    check_eight_bit(got, want, torch.float32)

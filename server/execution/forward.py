@@ -49,7 +49,7 @@ class ModelForward:
     def attach_tails(self, slots: int, dtype: torch.dtype) -> TailBlocks | None:
         """An 8-bit cache's tail (`TailBlocks`): `slots` blocks in `dtype` in every 8-bit layer,
         each running request's current block kept there too. None where no layer is 8-bit."""
-        scaled = [(cache, scale) for cache, scale in zip(self.kv_caches, self.kv_scales or [], strict=False)
+        scaled = [(cache, scale) for cache, scale in zip(self.kv_caches, self.kv_scales, strict=True)
                   if scale is not None]  # fmt: skip
         if not scaled or slots <= 0:
             return None

@@ -75,14 +75,13 @@ class TailBlocks:
         cache = layers[0][0]
         self.block_size = cache.shape[2]
         self.slot_of = torch.full((cache.shape[1],), -1, dtype=torch.int32, device=cache.device)
-        self.sources = layers
-        own: dict[int, LayerTail] = {}
-        self.layers: list[LayerTail] = []
-        for pool, _ in layers:
-            if id(pool) not in own:
+        # Each pool once, with its scales and its own tail: what a slot's rows are filled from.
+        self._own: dict[int, tuple[torch.Tensor, torch.Tensor, LayerTail]] = {}
+        for pool, scale in layers:
+            if id(pool) not in self._own:
                 tail = torch.zeros(2, slots, *pool.shape[2:], dtype=dtype, device=pool.device)
-                own[id(pool)] = LayerTail(tail, self.slot_of)
-            self.layers.append(own[id(pool)])
+                self._own[id(pool)] = (pool, scale, LayerTail(tail, self.slot_of))
+        self.layers: list[LayerTail] = [self._own[id(pool)][2] for pool, _ in layers]
         self._free = list(range(slots - 1, -1, -1))
         self._held: dict[str, _Held] = {}
         self._owner: dict[int, str] = {}  # block -> the request whose slot serves it
@@ -146,18 +145,12 @@ class TailBlocks:
             if changes is None:
                 self.slot_of[held.block] = -1
             else:
-                changes.setdefault(held.block, -1)
-                if changes[held.block] == held.slot:
-                    changes[held.block] = -1
+                changes[held.block] = -1
         held.block, held.full = None, False
 
     def _fill(self, block: int, slot: int, rows: int) -> None:
         """Rows of `block` stored before it had its slot, copied in from the pool (dequantized)."""
-        done: set[int] = set()
-        for (pool, scale), layer in zip(self.sources, self.layers, strict=True):
-            if id(layer.cache) in done:
-                continue
-            done.add(id(layer.cache))
+        for pool, scale, layer in self._own.values():
             for side in (0, 1):
                 stored = pool[side, block, :rows]  # [rows, H_kv, D]
                 layer.cache[side, slot, :rows] = dequantize_kv(stored, scale[side, block, :, :rows].T).to(
