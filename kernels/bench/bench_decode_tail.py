@@ -5,8 +5,8 @@
 32 query / 8 KV heads of 128 (Llama-3-8B's layer), bf16 queries, 16-token pages, an e4m3 cache;
 each launch stores the step's key and value, as the engine's decode does. With the tail every
 sequence's current block has a slot (`server/kv_cache/tail_blocks.py`): the kernel reads that block
-from it and stores the step's row there too. Times by `triton.testing.do_bench`, each variant twice
-interleaved, the faster kept; prints us a launch.
+from it and stores the step's row there too. Times by `triton.testing.do_bench` (median), each
+variant ROUNDS times interleaved, the fastest kept; prints us a launch.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from tgserve.kernels.testing import quantized_cache
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 CASES = ((256, 640), (64, 2048), (16, 7000), (1, 8192), (1, 131072))
+ROUNDS = 4  # each variant's median this many times, interleaved; the fastest kept
 
 
 def case(batch: int, context: int) -> tuple[float, float]:
@@ -42,14 +43,14 @@ def case(batch: int, context: int) -> tuple[float, float]:
     slot_of[current] = torch.arange(batch, dtype=torch.int32, device="cuda")
     out = torch.empty_like(query)
     best = {}
-    for name, tail in (("none", None), ("tail", (tail_cache, slot_of))) * 2:
+    for name, tail in (("none", None), ("tail", (tail_cache, slot_of))) * ROUNDS:
 
         def launch(tail=tail):
             paged_decode(query, kv_cache, tables, seq_lens, 0.088, out=out, max_seq_len=context,
                          step_kv=(key, value, slots), kv_scale=kv_scale, tail=tail)  # fmt: skip
 
         launch()
-        us = triton.testing.do_bench(launch, warmup=50, rep=300) * 1e3
+        us = triton.testing.do_bench(launch, warmup=50, rep=200, return_mode="median") * 1e3
         best[name] = min(us, best.get(name, us))
     return best["none"], best["tail"]
 

@@ -62,7 +62,7 @@ def test_bucketed_steps_give_the_tokens_of_unpadded_ones(arch: str) -> None:
 
 
 # Models whose decode step cannot be captured (test_cuda_engine.py says why) run every step eagerly.
-NOT_CAPTURABLE = {"falcon", "mixtral"}
+NOT_CAPTURABLE = {"falcon"}
 
 
 # On CUDA decode steps replay CUDA graphs captured per batch bucket (at start: none is captured
