@@ -53,7 +53,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     parser.add_argument("--device", default="cuda", help="cuda, or cpu (the CPU backend's kernels)")
-    parser.add_argument("--kv-cache-dtypes", nargs="+", default=["auto", "fp8"], help="auto, fp8, int8; fp8:no-tail, int8:no-tail")
+    parser.add_argument(
+        "--kv-cache-dtypes",
+        nargs="+",
+        default=["auto", "fp8"],
+        help="auto, fp8, int8; fp8:no-tail, int8:no-tail",
+    )
     args = parser.parse_args()
     rows = []
     for dtype in args.dtypes:

@@ -5,7 +5,7 @@
 
 For each batch size and context length: one CUDA graph of 32 launches (one per layer, cycling over
 CACHES caches), timed over 20 replays by bench_gemv's `graph_us`; prints the mean us a launch for
-the automatic split count (`paged_decode.choose_splits` at --bound, the context bound the engine's
+the automatic split count (`decode_launch.choose_splits` at --bound, the context bound the engine's
 decode graphs are captured with) and for each forced count. 32 query / 8 KV heads of
 128, bf16 queries, 16-token pages; the cache bf16 or 8-bit (`--kv-cache-dtype`, the engine's
 names). Every row's output is checked against the torch twin.
@@ -25,9 +25,10 @@ import torch
 from bench_gemv import graph_us  # this script's folder is on sys.path when run as a script
 
 from tgserve.kernels import reference
+from tgserve.kernels.decode_launch import choose_splits, launch_tile
 from tgserve.kernels.fp8_format import FP8
 from tgserve.kernels.kv_format import INT8, dequantize_kv
-from tgserve.kernels.paged_decode import choose_splits, launch_tile, paged_decode
+from tgserve.kernels.paged_decode import paged_decode
 from tgserve.kernels.testing import max_abs_err, quantized_cache
 
 HEADS, KV_HEADS, DIM, PAGE, LAYERS = 32, 8, 128, 16, 32

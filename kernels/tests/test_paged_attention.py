@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from tgserve.kernels import reference
-from tgserve.kernels.paged_decode import paged_decode, split_counters
+from tgserve.kernels.decode_launch import split_counters
+from tgserve.kernels.paged_decode import paged_decode
 from tgserve.kernels.paged_prefill import paged_prefill, varlen_prefill
 from tgserve.kernels.testing import make_paged_batch, max_abs_err, to_device
 
@@ -254,16 +255,16 @@ def test_dispatch_prefill_reads_the_stored_step_kv(device):
 
 
 def test_merge_tile_fits_the_register_budget():
-    from tgserve.kernels.paged_decode import MAX_AUTO_SPLITS, _merge_tile
+    from tgserve.kernels.decode_launch import MAX_AUTO_SPLITS, merge_tile
 
-    assert _merge_tile(4, 128) == (4, 16)  # Llama-3-8B: all 4 heads, 16 splits a load
-    assert _merge_tile(8, 128) == (8, 8)
-    assert _merge_tile(3, 256) == (4, 8)
-    assert _merge_tile(32, 128) == (16, 4)
-    assert _merge_tile(48, 256) == (8, 4)
-    assert _merge_tile(1, 64) == (1, MAX_AUTO_SPLITS)
+    assert merge_tile(4, 128) == (4, 16)  # Llama-3-8B: all 4 heads, 16 splits a load
+    assert merge_tile(8, 128) == (8, 8)
+    assert merge_tile(3, 256) == (4, 8)
+    assert merge_tile(32, 128) == (16, 4)
+    assert merge_tile(48, 256) == (8, 4)
+    assert merge_tile(1, 64) == (1, MAX_AUTO_SPLITS)
     for group, dims in [(4, 128), (48, 256), (1, 64), (1, 16)]:
-        rows, chunk = _merge_tile(group, dims)
+        rows, chunk = merge_tile(group, dims)
         assert rows * chunk * dims <= 8192 and chunk <= MAX_AUTO_SPLITS
 
 
