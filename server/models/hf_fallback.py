@@ -26,6 +26,7 @@ from tgserve.server.attention.forward_context import get_forward_context, paged_
 from tgserve.server.loading.hf_compat import dtype_kwargs
 from tgserve.server.models.fallback_linears import swap_in_kernel_linears
 from tgserve.server.models.fallback_norms import swap_in_kernel_norms
+from tgserve.server.models.fallback_rotary import kernel_rotary, swap_in_kernel_rotary
 from tgserve.server.models.paged_cache_adapter import PagedCacheAdapter, packed_context_mask
 from tgserve.server.models.recompute_fallback import RecomputingFallbackModel, is_recomputed
 from tgserve.server.models.registry import state_beside_keys_and_values
@@ -114,7 +115,9 @@ class TransformersFallbackModel(nn.Module):
             }
         if self._takes_logits_to_keep:
             kwargs["logits_to_keep"] = logits_indices
-        logits = self.hf_model(input_ids=input_ids[None], position_ids=positions[None], **kwargs).logits[0]
+        with kernel_rotary():
+            output = self.hf_model(input_ids=input_ids[None], position_ids=positions[None], **kwargs)
+        logits = output.logits[0]
         return logits if self._takes_logits_to_keep else logits[logits_indices]
 
     def _dtype(self) -> torch.dtype:
@@ -174,6 +177,7 @@ def load_fallback_model(
     hf_model = hf_model.to(device).eval()
     swap_in_kernel_norms(hf_model, dtype)
     swap_in_kernel_linears(hf_model)
+    swap_in_kernel_rotary(hf_model, dtype)
     if stateful is not None:
         logger.info("%s: %s; the paged cache keeps its token ids", type(hf_model).__name__, stateful)
         return RecomputingFallbackModel(hf_model, keep_state=True)
