@@ -15,7 +15,7 @@ COMPAT_STAMP       := $(COMPAT_VENV)/.installed
 # What the Gaudi path uses: model loading (safetensors and GGUF), the native models, the transformers
 # fallback, the tokenizer and chat templates (engine and router side), the engine on CPU.
 COMPAT_TESTS := server/tests/test_parity.py server/tests/test_fixtures.py server/tests/test_gguf_tokenizer.py \
-	server/tests/test_fallback_norms.py server/tests/test_fallback_linears.py server/tests/test_llm_api.py server/tests/test_prompt_logprobs.py \
+	server/tests/test_fallback_norms.py server/tests/test_fallback_linears.py server/tests/test_fallback_rotary.py server/tests/test_llm_api.py server/tests/test_prompt_logprobs.py \
 	router/tests/test_app.py router/tests/test_detokenizer.py router/tests/test_generation.py \
 	router/tests/test_validation.py
 

@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, GlmConfig, LlamaConfig, Olmo2Config
 
 from tgserve.kernels import dispatch
+from tgserve.server.loading.hf_compat import dtype_kwargs
 from tgserve.server.models.fallback_rotary import kernel_forms, kernel_rotary, swap_in_kernel_rotary
 
 TINY = dict(
@@ -22,7 +23,7 @@ TINY = dict(
 
 
 def _modeling_module(config_class, dtype):
-    model = AutoModelForCausalLM.from_config(config_class(**TINY), dtype=dtype)
+    model = AutoModelForCausalLM.from_config(config_class(**TINY), **dtype_kwargs(dtype))
     return model, sys.modules[type(model).__module__]
 
 
