@@ -51,7 +51,7 @@ class ExpertBlocks:
     (assignment t * k + slot, -1 = padding), all of expert block_expert[b] (-1: an unused block)."""
 
     rows: torch.Tensor  # int32 [num_blocks * block_m]
-    block_expert: torch.Tensor  # int32 [num_blocks]
+    block_expert: torch.Tensor  # int32 or int64 [num_blocks]
     block_m: int
 
     @property
@@ -64,7 +64,7 @@ def expert_blocks(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBl
 
     At most A + E * (block_m - 1) rows for A = T * k assignments: that bound sizes the layout, so
     its shape is fixed by T alone. One token (batch-1 decode) chose k distinct experts: a block
-    each, in slot order, with neither the sort nor the counting (three launches, not ~20)."""
+    each, in slot order, with neither the sort nor the counting (no launch, not ~20)."""
     if ids.shape[0] == 1:
         return _one_token_blocks(ids, block_m)
     flat = ids.flatten()
@@ -88,8 +88,24 @@ def expert_blocks(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBl
 
 def _one_token_blocks(ids: torch.Tensor, block_m: int) -> ExpertBlocks:
     """The layout of one token's k assignments (distinct experts, as top-k picks them): block b
-    holds assignment b alone, of expert ids[0, b]."""
-    top_k = ids.shape[1]
-    first = torch.arange(top_k, dtype=torch.int32, device=ids.device)[:, None]
-    rows = torch.nn.functional.pad(first, (0, block_m - 1), value=-1).flatten()
-    return ExpertBlocks(rows=rows, block_expert=ids[0].to(torch.int32), block_m=block_m)
+    holds assignment b alone, of expert ids[0, b] (int64, read in place: no launch at all)."""
+    return ExpertBlocks(
+        rows=_one_token_rows(ids.shape[1], block_m, ids.device), block_expert=ids[0], block_m=block_m
+    )
+
+
+# One token's rows depend on (k, block_m, device) alone: built once and kept, so a batch-1 decode
+# step's layout costs no launch (it cost three a layer: arange, and pad's fill and copy).
+_ONE_TOKEN_ROWS: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+
+def _one_token_rows(top_k: int, block_m: int, device: torch.device) -> torch.Tensor:
+    key = (top_k, block_m, device)
+    rows = _ONE_TOKEN_ROWS.get(key)
+    if rows is None:
+        first = torch.arange(top_k, dtype=torch.int32, device=device)[:, None]
+        rows = torch.nn.functional.pad(first, (0, block_m - 1), value=-1).flatten()
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return rows  # not kept: memory of the graph's pool (the eager run before a capture keeps one)
+        _ONE_TOKEN_ROWS[key] = rows
+    return rows

@@ -92,6 +92,9 @@ def test_one_token_takes_a_block_an_expert_without_sorting():
     layout = expert_blocks(ids, num_experts=6, block_m=4)
     assert layout.num_blocks == 3 and layout.block_expert.tolist() == [5, 0, 3]
     assert _assignments_by_block(layout, ids) == [0, 1, 2]
+    again = expert_blocks(torch.tensor([[1, 4, 2]]), num_experts=6, block_m=4)
+    assert again.rows is layout.rows, "the rows of one token are built once, not every step"
+    assert again.block_expert.tolist() == [1, 4, 2]
 
 
 def test_route_renormalises_only_when_asked():
