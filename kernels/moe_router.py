@@ -37,12 +37,18 @@ def _router_kernel(
     slots = tl.arange(0, TOP_K)
     top = tl.zeros([TOP_K], tl.float32)
     ids = tl.zeros([TOP_K], tl.int64)
+    # Chosen by a mask, not by values: a row whose logits are not finite (a padding row of a
+    # bucketed step can hold NaN) still picks k distinct experts in range, NaN ranked lowest.
+    open_ = valid
     for slot in tl.static_range(TOP_K):
-        best = tl.max(x, axis=0)
-        at = tl.min(tl.where(x == best, experts, BLOCK_E), axis=0)  # the first index of the largest
+        ranked = tl.where(open_ & (x == x), x, float("-inf"))
+        best = tl.max(ranked, axis=0)
+        at = tl.min(
+            tl.where(open_ & (ranked == best), experts, BLOCK_E), axis=0
+        )  # first index of the largest
         top = tl.where(slots == slot, best, top)
         ids = tl.where(slots == slot, at.to(tl.int64), ids)
-        x = tl.where(experts == at, float("-inf"), x)
+        open_ = open_ & (experts != at)
     if SOFTMAX_FIRST:
         if RENORMALIZE:
             top = top / tl.sum(top, axis=0)

@@ -125,6 +125,25 @@ def test_router_kernel_equals_the_twins(device, tokens, experts, top_k, dtype, r
         torch.testing.assert_close(got[0].cpu(), want[0], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("experts", [128, 60])
+def test_router_kernel_picks_distinct_experts_in_range_from_logits_that_are_not_finite(device, experts):
+    """A padding row of a bucketed step may hold NaN (or inf) logits: its ids must still name k
+    distinct experts, or the expert GEMMs read past the weights (a CUDA graph run of Mixtral with
+    padded steps hit an out-of-range index here)."""
+    from tgserve.kernels.moe_router import route_triton
+
+    logits = torch.randn(4, experts)
+    logits[0] = float("nan")
+    logits[1, ::3] = float("nan")
+    logits[2, 5] = float("inf")
+    logits[3] = float("-inf")
+    for softmax_first in (True, False):
+        _, ids = route_triton(logits.to(device), 8, True, softmax_first)
+        ids = ids.cpu()
+        assert ids.min() >= 0 and ids.max() < experts
+        assert all(len(set(row)) == 8 for row in ids.tolist()), ids
+
+
 def test_router_dispatch_takes_the_kernel_only_for_decode_steps():
     from tgserve.kernels.moe_router import MAX_TOKENS, routes_in_one_launch
 
