@@ -72,6 +72,13 @@ FAMILIES: dict[str, dict] = {
                      intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32, rms_norm_eps=1e-6,
                      rope_theta=500000.0, hidden_act="silu", max_position_embeddings=4096,
                      tie_word_embeddings=False),
+    # A second fallback family (Granite 3.1 8B's shape: Llama's layers with scalar multipliers on the
+    # embeddings, residuals, attention scores and logits), so the fallback target rests on two.
+    "granite-3-8b": dict(model_type="granite", architectures=["GraniteForCausalLM"], vocab_size=49155,
+                         hidden_size=4096, intermediate_size=12800, num_attention_heads=32, num_key_value_heads=8,
+                         rms_norm_eps=1e-5, rope_theta=10000000.0, hidden_act="silu", max_position_embeddings=131072,
+                         embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125,
+                         logits_scaling=16.0, tie_word_embeddings=True),
 }  # fmt: skip
 
 
@@ -108,7 +115,12 @@ def bytes_a_token(model: torch.nn.Module) -> tuple[int, int]:
             fraction = share.get(id(module), 1.0) if isinstance(module, ExpertWeights) else 1.0
             read += int(param.numel() * param.element_size() * fraction)
             used += int(param.numel() * fraction)
-    if getattr(model, "tie_word_embeddings", False):
+    if hf_model is not None:  # a fallback's LM head tied to its embeddings is the same Parameter
+        head = hf_model.get_output_embeddings()
+        tied = head is not None and head.weight is embed
+    else:
+        tied = getattr(model, "tie_word_embeddings", False)
+    if tied:
         read, used = read + embed.numel() * embed.element_size(), used + embed.numel()
     return read, used
 
