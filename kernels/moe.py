@@ -35,6 +35,9 @@ LAUNCH = {"block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3}
 # the prompt's tiles' time for Qwen3-30B-A3B, Mixtral and gpt-oss at batch 1
 # (docs/benchmarks/2026-12-05-glue-and-moe-tiles-h100.md).
 DECODE_LAUNCH = {"block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 3}
+# One token's experts as GEMVs (`moe_decode.py`) instead of 16-row blocks for tl.dot: off until
+# kernels/bench/bench_moe.py's --one-token comparison has run on a GPU.
+ONE_TOKEN_GEMV = False
 
 
 def block_rows(assignments: int, num_experts: int) -> int:
@@ -139,6 +142,10 @@ def fused_moe_triton(
     weights float32 [T, k], ids [T, k], optional biases (gate_up [E, 2I], down [E, H]) and gpt-oss's
     gating; returns [T, H] in x's dtype."""
     tokens, hidden = x.shape
+    if ONE_TOKEN_GEMV and tokens == 1:
+        from tgserve.kernels.moe_decode import one_token_moe
+
+        return one_token_moe(x, w_gate_up, w_down, weights, ids, biases, gating)
     num_experts, inter = w_down.shape[0], w_down.shape[2]
     top_k = ids.shape[1]
     assert x.stride(1) == 1 and w_gate_up.stride(2) == 1 and w_down.stride(2) == 1

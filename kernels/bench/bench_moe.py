@@ -2,6 +2,7 @@
 the chosen experts, in CUDA graphs (kernels/moe.py's DECODE_LAUNCH is set from this table).
 
     python kernels/bench/bench_moe.py
+    python kernels/bench/bench_moe.py --one-token   # the GEMV path (moe_decode.py) beside the grouped kernels
 
 One token routed to k experts of each family's real shape, bf16; each graph runs the layer over
 enough copies of the experts to exceed L2, as a decode step reads them from HBM. Every setting is
@@ -16,7 +17,7 @@ import itertools
 import torch
 from bench_gemv import graph_us  # this script's folder is on sys.path when run as a script
 
-from tgserve.kernels import moe
+from tgserve.kernels import moe, moe_decode
 from tgserve.kernels.moe_routing import route
 
 FAMILIES = {  # name: (experts, top k, hidden, intermediate)
@@ -38,13 +39,59 @@ def layers(experts: int, top_k: int, hidden: int, inter: int, copies: int):
     return x, weights, ids, w
 
 
+GEMV_SWEEP = [
+    dict(block_n=n, block_k=k, num_warps=w)
+    for n, k, w in itertools.product((4, 8, 16), (128, 256, 512), (4, 8))
+]
+
+
+def _calls(fn, x, weights, ids, w) -> list:
+    """One call of `fn` a copy of the experts, for `graph_us`."""
+    return [lambda c=c: fn(x, *c, weights, ids) for c in w]
+
+
+def compare_one_token(names: list[str], top: int) -> None:
+    """The one-token GEMV path, its launch swept (gate_up and down alike), beside the grouped kernels
+    at their DECODE_LAUNCH, same layers, same graphs."""
+    print("| family | expert bytes a token (MB) | path | us | GB/s |\n|---|---|---|---|---|")
+    saved = dict(moe_decode.GATE_UP_LAUNCH), dict(moe_decode.DOWN_LAUNCH)
+    for name in names:
+        experts, top_k, hidden, inter = FAMILIES[name]
+        active = top_k * 3 * hidden * inter * 2
+        x, weights, ids, w = layers(experts, top_k, hidden, inter, copies=3)
+        want = moe.fused_moe_triton(x, *w[0], weights, ids)
+        grouped = graph_us(_calls(moe.fused_moe_triton, x, weights, ids, w))
+        rows = []
+        for launch in GEMV_SWEEP:
+            moe_decode.GATE_UP_LAUNCH.update(launch)
+            moe_decode.DOWN_LAUNCH.update(launch)
+            got = moe_decode.one_token_moe(x, *w[0], weights, ids)
+            assert (got.float() - want.float()).abs().max() <= 2e-2 * want.abs().max()
+            rows.append((graph_us(_calls(moe_decode.one_token_moe, x, weights, ids, w)), launch))
+        rows.sort(key=lambda r: r[0])
+        print(
+            f"| {name} | {active / 1e6:.1f} | grouped {moe.DECODE_LAUNCH} | {grouped:.1f} | {active / grouped / 1e3:.0f} |"
+        )
+        for us, launch in rows[:top]:
+            print(
+                f"| {name} | {active / 1e6:.1f} | one-token {launch} | {us:.1f} | {active / us / 1e3:.0f} |"
+            )
+        print(f"| {name} | | best one-token / grouped | {rows[0][0] / grouped:.2f}x | |", flush=True)
+    moe_decode.GATE_UP_LAUNCH.update(saved[0])
+    moe_decode.DOWN_LAUNCH.update(saved[1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--families", nargs="*", default=list(FAMILIES))
     parser.add_argument("--top", type=int, default=5, help="how many of the fastest tiles to print")
+    parser.add_argument("--one-token", action="store_true", help="the GEMV path beside the grouped kernels")
     args = parser.parse_args()
+    if args.one_token:
+        compare_one_token(args.families, args.top)
+        return
     default = dict(moe.DECODE_LAUNCH)
     print("| family | expert bytes a token (MB) | launch | us | GB/s |\n|---|---|---|---|---|")
     for name in args.families:

@@ -57,6 +57,48 @@ def test_gpt_oss_experts_equal_the_twin(device, tokens, experts, top_k, hidden, 
     assert (got.cpu().float() - want).abs().max() <= tolerance
 
 
+@pytest.mark.parametrize("experts,top_k,hidden,inter", [(8, 2, 32, 48), (16, 4, 40, 24), (6, 1, 17, 9)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("gpt_oss", [False, True])
+def test_one_token_gemv_path_equals_the_twin(device, experts, top_k, hidden, inter, dtype, gpt_oss):
+    """One decode row's experts as GEMVs (moe_decode.py), ragged widths included, with gpt-oss's
+    biases and clamped gating or without; the grouped kernels' output to within their rounding."""
+    from tgserve.kernels.moe_decode import one_token_moe
+
+    x, w_gate_up, w_down, weights, ids = _layer(1, experts, top_k, hidden, inter, dtype, seed=hidden)
+    gen = torch.Generator().manual_seed(inter)
+    biases = (
+        torch.randn(experts, 2 * inter, generator=gen).to(dtype),
+        torch.randn(experts, hidden, generator=gen).to(dtype),
+    )
+    extra = (biases, ClampedSwiGLU(alpha=1.702, limit=1.5)) if gpt_oss else (None, None)
+    want = reference.fused_moe(x.float(), w_gate_up.float(), w_down.float(), weights, ids,
+                               None if extra[0] is None else tuple(b.float() for b in extra[0]), extra[1])  # fmt: skip
+    on = [t.to(device) for t in (x, w_gate_up, w_down, weights, ids)]
+    on_biases = None if extra[0] is None else tuple(b.to(device) for b in extra[0])
+    got = one_token_moe(*on, on_biases, extra[1])
+    grouped = fused_moe_triton(*on, on_biases, extra[1])
+    assert got.dtype == dtype and got.shape == want.shape
+    tolerance = 1e-4 if dtype == torch.float32 else 1e-2 * want.abs().max().item()
+    assert (got.cpu().float() - want).abs().max() <= tolerance
+    assert (got.cpu().float() - grouped.cpu().float()).abs().max() <= tolerance
+
+
+def test_the_one_token_switch_routes_a_decode_row_to_the_gemv_path(monkeypatch):
+    from tgserve.kernels import moe, moe_decode
+
+    calls = []
+    monkeypatch.setattr(moe_decode, "one_token_moe", lambda *args: calls.append(args) or args[0])
+    x, w_gate_up, w_down, weights, ids = _layer(1, 8, 2, 32, 48, torch.float32, seed=0)
+    moe.fused_moe_triton(x, w_gate_up, w_down, weights, ids)
+    assert not calls, "off: the grouped kernels"
+    monkeypatch.setattr(moe, "ONE_TOKEN_GEMV", True)
+    moe.fused_moe_triton(x, w_gate_up, w_down, weights, ids)
+    x2, w_gate_up2, w_down2, weights2, ids2 = _layer(3, 8, 2, 32, 48, torch.float32, seed=0)
+    moe.fused_moe_triton(x2, w_gate_up2, w_down2, weights2, ids2)
+    assert len(calls) == 1, "on: one-token steps only"
+
+
 def test_gpt_oss_routing_is_a_softmax_over_the_top_logits():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
     weights, ids = route_top_logits(logits, 2)
