@@ -56,9 +56,12 @@ def _gate_up_kernel(
     expert = tl.load(ids_ptr + slot).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < inter
-    w_base = w_ptr + expert * stride_we
-    gate = _row_products(x_ptr, w_base + n.to(tl.int64) * stride_wn, n_ok, hidden, BLOCK_N, BLOCK_K)
-    up = _row_products(x_ptr, w_base + (inter + n).to(tl.int64) * stride_wn, n_ok, hidden, BLOCK_N, BLOCK_K)
+    # Gate and up rows interleaved (gate n, up n, ...): one streamed loop, each x tile loaded once.
+    pair = tl.arange(0, 2 * BLOCK_N)
+    pair_n = tl.program_id(1) * BLOCK_N + pair // 2
+    pair_rows = w_ptr + expert * stride_we + (pair_n + (pair % 2) * inter).to(tl.int64) * stride_wn
+    both = _row_products(x_ptr, pair_rows, pair_n < inter, hidden, 2 * BLOCK_N, BLOCK_K)
+    gate, up = tl.split(tl.reshape(both, (BLOCK_N, 2)))
     if BIAS:  # gpt-oss: each projection's bias, added before the rounding as the twin's F.linear does
         bias = bias_ptr + expert * stride_be
         gate += tl.load(bias + n, mask=n_ok, other=0.0).to(tl.float32)
