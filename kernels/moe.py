@@ -58,23 +58,6 @@ def _block_tile(rows_ptr, w_ptr, expert, stride_we, n_size, BLOCK_M: tl.constexp
 
 
 @triton.jit
-def gated_product(gate, up, alpha, limit, out_ptr, CLAMPED: tl.constexpr):
-    """silu(gate) * up, or with CLAMPED `moe_routing.ClampedSwiGLU` (in float32; the twin rounds each
-    of its ops in half precision), of the projections' float32 sums: gate and up rounded to the
-    output's dtype first, and the gating too, at the twin's op boundaries; in the output's dtype."""
-    dtype = out_ptr.dtype.element_ty
-    g = gate.to(dtype).to(tl.float32)
-    u = up.to(dtype).to(tl.float32)
-    if CLAMPED:
-        g = tl.minimum(g, limit)
-        u = tl.minimum(tl.maximum(u, -limit), limit)
-        gated = (u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))
-    else:
-        gated = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32) * u
-    return gated.to(dtype)
-
-
-@triton.jit
 def _gate_up_kernel(
     x_ptr, w_ptr, rows_ptr, expert_ptr, out_ptr, bias_ptr, hidden, inter, top_k, stride_xt, stride_we, stride_wn,
     stride_ot, stride_be, alpha, limit, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -104,8 +87,16 @@ def _gate_up_kernel(
         bias = bias_ptr + expert.to(tl.int64) * stride_be
         acc_gate += tl.load(bias + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         acc_up += tl.load(bias + inter + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    gated = gated_product(acc_gate, acc_up, alpha, limit, out_ptr, CLAMPED)
-    tl.store(out_ptr + m[:, None].to(tl.int64) * stride_ot + n[None, :], gated, mask=n_ok[None, :])
+    dtype = out_ptr.dtype.element_ty
+    g = acc_gate.to(dtype).to(tl.float32)
+    u = acc_up.to(dtype).to(tl.float32)
+    if CLAMPED:  # `moe_routing.ClampedSwiGLU`, in float32 (the twin rounds each op in half precision)
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        gated = (u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))
+    else:
+        gated = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32) * u
+    tl.store(out_ptr + m[:, None].to(tl.int64) * stride_ot + n[None, :], gated.to(dtype), mask=n_ok[None, :])
 
 
 @triton.jit
@@ -138,22 +129,6 @@ def _down_kernel(
     )
 
 
-def kernel_operands(
-    x: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    biases: tuple[torch.Tensor, torch.Tensor] | None,
-    gating: ClampedSwiGLU | None,
-) -> tuple[torch.Tensor, torch.Tensor, float, float]:
-    """The expert kernels' (gate_up biases, down biases, alpha, limit), their unit-stride rows
-    checked: x stands in for absent biases (unread without BIAS), (1, 0) for absent gating."""
-    assert x.stride(1) == 1 and w_gate_up.stride(2) == 1 and w_down.stride(2) == 1
-    bias_gate_up, bias_down = biases or (x, x)
-    assert biases is None or (bias_gate_up.stride(1) == 1 and bias_down.stride(1) == 1)
-    alpha, limit = (gating.alpha, gating.limit) if gating is not None else (1.0, 0.0)
-    return bias_gate_up, bias_down, alpha, limit
-
-
 def fused_moe_triton(
     x: torch.Tensor,
     w_gate_up: torch.Tensor,
@@ -173,7 +148,7 @@ def fused_moe_triton(
         return one_token_moe(x, w_gate_up, w_down, weights, ids, biases, gating)
     num_experts, inter = w_down.shape[0], w_down.shape[2]
     top_k = ids.shape[1]
-    bias_gate_up, bias_down, alpha, limit = kernel_operands(x, w_gate_up, w_down, biases, gating)
+    assert x.stride(1) == 1 and w_gate_up.stride(2) == 1 and w_down.stride(2) == 1
     block_m = block_rows(tokens * top_k, num_experts)
     layout = expert_blocks(ids, num_experts, block_m)
     small = interpreting()
@@ -184,6 +159,9 @@ def fused_moe_triton(
     common = dict(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=dot_precision(x.dtype), **launch
     )
+    bias_gate_up, bias_down = biases or (x, x)  # unread without BIAS
+    assert biases is None or (bias_gate_up.stride(1) == 1 and bias_down.stride(1) == 1)
+    alpha, limit = (gating.alpha, gating.limit) if gating is not None else (1.0, 0.0)
     gated = torch.empty(layout.rows.shape[0], inter, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(layout.num_blocks, triton.cdiv(inter, block_n))](
         x, w_gate_up, layout.rows, layout.block_expert, gated, bias_gate_up, hidden, inter, top_k, x.stride(0),
