@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tgserve.kernels.moe_common import gated_product, kernel_operands
 from tgserve.kernels.moe_routing import ClampedSwiGLU, expert_blocks
 from tgserve.kernels.triton_common import dot_precision, interpreting
 
@@ -87,16 +88,8 @@ def _gate_up_kernel(
         bias = bias_ptr + expert.to(tl.int64) * stride_be
         acc_gate += tl.load(bias + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         acc_up += tl.load(bias + inter + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    dtype = out_ptr.dtype.element_ty
-    g = acc_gate.to(dtype).to(tl.float32)
-    u = acc_up.to(dtype).to(tl.float32)
-    if CLAMPED:  # `moe_routing.ClampedSwiGLU`, in float32 (the twin rounds each op in half precision)
-        g = tl.minimum(g, limit)
-        u = tl.minimum(tl.maximum(u, -limit), limit)
-        gated = (u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))
-    else:
-        gated = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32) * u
-    tl.store(out_ptr + m[:, None].to(tl.int64) * stride_ot + n[None, :], gated.to(dtype), mask=n_ok[None, :])
+    gated = gated_product(acc_gate, acc_up, alpha, limit, out_ptr, CLAMPED)
+    tl.store(out_ptr + m[:, None].to(tl.int64) * stride_ot + n[None, :], gated, mask=n_ok[None, :])
 
 
 @triton.jit
@@ -148,7 +141,7 @@ def fused_moe_triton(
         return one_token_moe(x, w_gate_up, w_down, weights, ids, biases, gating)
     num_experts, inter = w_down.shape[0], w_down.shape[2]
     top_k = ids.shape[1]
-    assert x.stride(1) == 1 and w_gate_up.stride(2) == 1 and w_down.stride(2) == 1
+    bias_gate_up, bias_down, alpha, limit = kernel_operands(x, w_gate_up, w_down, biases, gating)
     block_m = block_rows(tokens * top_k, num_experts)
     layout = expert_blocks(ids, num_experts, block_m)
     small = interpreting()
@@ -159,9 +152,6 @@ def fused_moe_triton(
     common = dict(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=dot_precision(x.dtype), **launch
     )
-    bias_gate_up, bias_down = biases or (x, x)  # unread without BIAS
-    assert biases is None or (bias_gate_up.stride(1) == 1 and bias_down.stride(1) == 1)
-    alpha, limit = (gating.alpha, gating.limit) if gating is not None else (1.0, 0.0)
     gated = torch.empty(layout.rows.shape[0], inter, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(layout.num_blocks, triton.cdiv(inter, block_n))](
         x, w_gate_up, layout.rows, layout.block_expert, gated, bias_gate_up, hidden, inter, top_k, x.stride(0),

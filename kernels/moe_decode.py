@@ -19,12 +19,14 @@ import torch
 import triton
 import triton.language as tl
 
+from tgserve.kernels.moe_common import gated_product, kernel_operands
 from tgserve.kernels.moe_routing import ClampedSwiGLU
 from tgserve.kernels.triton_common import interpreting, pdl, wait_for_inputs
 
 # Rows a program streams, the reduction's tile, warps; the interpreter takes small tiles to stay fast.
 GATE_UP_LAUNCH = {"block_n": 8, "block_k": 256, "num_warps": 4}
 DOWN_LAUNCH = {"block_n": 8, "block_k": 256, "num_warps": 4}
+INTERPRETER_LAUNCH = {"block_n": 4, "block_k": 16, "num_warps": 1}
 
 
 @triton.jit
@@ -66,16 +68,7 @@ def _gate_up_kernel(
         bias = bias_ptr + expert * stride_be
         gate += tl.load(bias + n, mask=n_ok, other=0.0).to(tl.float32)
         up += tl.load(bias + inter + n, mask=n_ok, other=0.0).to(tl.float32)
-    dtype = out_ptr.dtype.element_ty
-    g = gate.to(dtype).to(tl.float32)
-    u = up.to(dtype).to(tl.float32)
-    if CLAMPED:  # `moe_routing.ClampedSwiGLU`, in float32
-        g = tl.minimum(g, limit)
-        u = tl.minimum(tl.maximum(u, -limit), limit)
-        gated = (u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))
-    else:
-        gated = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32) * u
-    tl.store(out_ptr + slot * inter + n, gated.to(dtype), mask=n_ok)
+    tl.store(out_ptr + slot * inter + n, gated_product(gate, up, alpha, limit, out_ptr, CLAMPED), mask=n_ok)
 
 
 @triton.jit
@@ -114,13 +107,10 @@ def one_token_moe(
     tokens, hidden = x.shape
     assert tokens == 1 and ids.shape[0] == 1
     inter, top_k = w_down.shape[2], ids.shape[1]
-    assert x.stride(1) == 1 and w_gate_up.stride(2) == 1 and w_down.stride(2) == 1
+    bias_gate_up, bias_down, alpha, limit = kernel_operands(x, w_gate_up, w_down, biases, gating)
     small = interpreting()
-    gate_up_launch = {"block_n": 4, "block_k": 16, "num_warps": 1} if small else GATE_UP_LAUNCH
-    down_launch = {"block_n": 4, "block_k": 16, "num_warps": 1} if small else DOWN_LAUNCH
-    bias_gate_up, bias_down = biases or (x, x)  # unread without BIAS
-    assert biases is None or (bias_gate_up.stride(1) == 1 and bias_down.stride(1) == 1)
-    alpha, limit = (gating.alpha, gating.limit) if gating is not None else (1.0, 0.0)
+    gate_up_launch = INTERPRETER_LAUNCH if small else GATE_UP_LAUNCH
+    down_launch = INTERPRETER_LAUNCH if small else DOWN_LAUNCH
     flat_ids = ids.reshape(top_k)
     gated = torch.empty(top_k, inter, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(top_k, triton.cdiv(inter, gate_up_launch["block_n"]))](

@@ -43,9 +43,8 @@ def _router_kernel(
     for slot in tl.static_range(TOP_K):
         ranked = tl.where(open_ & (x == x), x, float("-inf"))
         best = tl.max(ranked, axis=0)
-        at = tl.min(
-            tl.where(open_ & (ranked == best), experts, BLOCK_E), axis=0
-        )  # first index of the largest
+        # the first index of the largest
+        at = tl.min(tl.where(open_ & (ranked == best), experts, BLOCK_E), axis=0)
         top = tl.where(slots == slot, best, top)
         ids = tl.where(slots == slot, at.to(tl.int64), ids)
         open_ = open_ & (experts != at)
