@@ -84,18 +84,18 @@ def test_one_token_gemv_path_equals_the_twin(device, experts, top_k, hidden, int
     assert (got.cpu().float() - grouped.cpu().float()).abs().max() <= tolerance
 
 
-def test_the_one_token_switch_routes_a_decode_row_to_the_gemv_path(monkeypatch):
+def test_the_one_token_switch_routes_a_decode_row_to_the_gemv_path(device, monkeypatch):
     from tgserve.kernels import moe, moe_decode
 
     calls = []
     monkeypatch.setattr(moe_decode, "one_token_moe", lambda *args: calls.append(args) or args[0])
-    x, w_gate_up, w_down, weights, ids = _layer(1, 8, 2, 32, 48, torch.float32, seed=0)
-    moe.fused_moe_triton(x, w_gate_up, w_down, weights, ids)
+    one = [t.to(device) for t in _layer(1, 8, 2, 32, 48, torch.float32, seed=0)]
+    monkeypatch.setattr(moe, "ONE_TOKEN_GEMV", False)
+    moe.fused_moe_triton(*one)
     assert not calls, "off: the grouped kernels"
     monkeypatch.setattr(moe, "ONE_TOKEN_GEMV", True)
-    moe.fused_moe_triton(x, w_gate_up, w_down, weights, ids)
-    x2, w_gate_up2, w_down2, weights2, ids2 = _layer(3, 8, 2, 32, 48, torch.float32, seed=0)
-    moe.fused_moe_triton(x2, w_gate_up2, w_down2, weights2, ids2)
+    moe.fused_moe_triton(*one)
+    moe.fused_moe_triton(*(t.to(device) for t in _layer(3, 8, 2, 32, 48, torch.float32, seed=0)))
     assert len(calls) == 1, "on: one-token steps only"
 
 
