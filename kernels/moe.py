@@ -36,9 +36,10 @@ LAUNCH = {"block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3}
 # the prompt's tiles' time for Qwen3-30B-A3B, Mixtral and gpt-oss at batch 1
 # (docs/benchmarks/2026-12-05-glue-and-moe-tiles-h100.md).
 DECODE_LAUNCH = {"block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 3}
-# One token's experts as GEMVs (`moe_decode.py`) instead of 16-row blocks for tl.dot: off until
-# kernels/bench/bench_moe.py's --one-token comparison has run on a GPU.
-ONE_TOKEN_GEMV = False
+# One token's experts as GEMVs (`moe_decode.py`) instead of 16-row blocks for tl.dot: on an H100
+# 0.85x the grouped kernels' time for Qwen3-30B-A3B's experts, 0.79x for Mixtral's and gpt-oss's;
+# batch-1 decode -3.5%, -6.9% and -4.4% (docs/benchmarks/2026-12-06-moe-one-token-gemv-h100.md).
+ONE_TOKEN_GEMV = True
 
 
 def block_rows(assignments: int, num_experts: int) -> int:

@@ -6,7 +6,8 @@ the chosen experts, in CUDA graphs (kernels/moe.py's DECODE_LAUNCH is set from t
 
 One token routed to k experts of each family's real shape, bf16; each graph runs the layer over
 enough copies of the experts to exceed L2, as a decode step reads them from HBM. Every setting is
-checked against the default's output first.
+checked against the default's output first. The grouped kernels are timed with moe.ONE_TOKEN_GEMV
+off (with it on, `fused_moe_triton` hands a one-token step to the GEMV path).
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=5, help="how many of the fastest tiles to print")
     parser.add_argument("--one-token", action="store_true", help="the GEMV path beside the grouped kernels")
     args = parser.parse_args()
+    moe.ONE_TOKEN_GEMV = False  # fused_moe_triton below is the grouped kernels; the GEMVs are called directly
     if args.one_token:
         compare_one_token(args.families, args.top)
         return

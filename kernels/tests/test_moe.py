@@ -19,6 +19,15 @@ def _layer(tokens: int, experts: int, top_k: int, hidden: int, inter: int, dtype
     return x, w_gate_up, w_down, weights, ids
 
 
+@pytest.fixture
+def grouped_kernels(monkeypatch):
+    """fused_moe_triton as the grouped kernels at every row count (a one-token step takes the GEMVs
+    of moe_decode.py by default; they have their own tests)."""
+    from tgserve.kernels import moe
+
+    monkeypatch.setattr(moe, "ONE_TOKEN_GEMV", False)
+
+
 @pytest.mark.parametrize(
     "tokens,experts,top_k,hidden,inter",
     [(1, 8, 2, 32, 48),  # a decode row: two experts of eight read
@@ -26,7 +35,9 @@ def _layer(tokens: int, experts: int, top_k: int, hidden: int, inter: int, dtype
      (5, 16, 4, 32, 32)],  # experts no row chose
 )  # fmt: skip
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_grouped_experts_equal_the_twin(device, tokens, experts, top_k, hidden, inter, dtype):
+def test_grouped_experts_equal_the_twin(
+    device, grouped_kernels, tokens, experts, top_k, hidden, inter, dtype
+):
     x, w_gate_up, w_down, weights, ids = _layer(tokens, experts, top_k, hidden, inter, dtype, seed=tokens)
     want = reference.fused_moe(x, w_gate_up, w_down, weights, ids)
     got = fused_moe_triton(*(t.to(device) for t in (x, w_gate_up, w_down, weights, ids)))
@@ -37,7 +48,9 @@ def test_grouped_experts_equal_the_twin(device, tokens, experts, top_k, hidden, 
 
 @pytest.mark.parametrize("tokens,experts,top_k,hidden,inter", [(1, 8, 4, 32, 48), (23, 8, 2, 40, 24)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_gpt_oss_experts_equal_the_twin(device, tokens, experts, top_k, hidden, inter, dtype):
+def test_gpt_oss_experts_equal_the_twin(
+    device, grouped_kernels, tokens, experts, top_k, hidden, inter, dtype
+):
     """Biases on both projections and the clamped SwiGLU, with a limit low enough to clamp."""
     x, w_gate_up, w_down, _, _ = _layer(tokens, experts, top_k, hidden, inter, dtype, seed=tokens + 1)
     gen = torch.Generator().manual_seed(tokens)
@@ -60,7 +73,9 @@ def test_gpt_oss_experts_equal_the_twin(device, tokens, experts, top_k, hidden, 
 @pytest.mark.parametrize("experts,top_k,hidden,inter", [(8, 2, 32, 48), (16, 4, 40, 24), (6, 1, 17, 9)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("gpt_oss", [False, True])
-def test_one_token_gemv_path_equals_the_twin(device, experts, top_k, hidden, inter, dtype, gpt_oss):
+def test_one_token_gemv_path_equals_the_twin(
+    device, grouped_kernels, experts, top_k, hidden, inter, dtype, gpt_oss
+):
     """One decode row's experts as GEMVs (moe_decode.py), ragged widths included, with gpt-oss's
     biases and clamped gating or without; the grouped kernels' output to within their rounding."""
     from tgserve.kernels.moe_decode import one_token_moe
