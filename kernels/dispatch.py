@@ -479,15 +479,20 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return reference.silu_and_mul(gate_up)
 
 
-def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    logits: torch.Tensor, top_k: int, renormalize: bool, round_to: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A mixture-of-experts router (`moe_routing.route`): softmax over every expert, the top k,
-    optionally renormalised; (weights float32 [T, k], ids int64 [T, k])."""
+    optionally renormalised; (weights float32 [T, k], ids int64 [T, k]). round_to: the weights
+    rounded to that dtype (Qwen's MoE): in it from torch, in float32 holding the same values from
+    the Triton router (`fused_moe` reads either)."""
     if use_triton(logits):
         from tgserve.kernels.moe_router import route_triton, routes_in_one_launch
 
-        if routes_in_one_launch(logits, top_k):
-            return route_triton(logits, top_k, renormalize)
-    return moe_routing.route(logits, top_k, renormalize)
+        if routes_in_one_launch(logits, top_k) and round_to in (None, logits.dtype):
+            return route_triton(logits, top_k, renormalize, round_to_logits=round_to is not None)
+    weights, ids = moe_routing.route(logits, top_k, renormalize)
+    return (weights if round_to is None else weights.to(round_to)), ids
 
 
 def route_top_logits(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:

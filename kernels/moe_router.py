@@ -24,7 +24,7 @@ MAX_TOKENS = 64
 def _router_kernel(
     logits_ptr, weights_ptr, ids_ptr, num_experts, stride_t,
     TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, SOFTMAX_FIRST: tl.constexpr, RENORMALIZE: tl.constexpr,
-    PDL: tl.constexpr = False,
+    ROUND: tl.constexpr = False, PDL: tl.constexpr = False,
 ):  # fmt: skip
     wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
@@ -51,6 +51,8 @@ def _router_kernel(
     if SOFTMAX_FIRST:
         if RENORMALIZE:
             top = top / tl.sum(top, axis=0)
+        if ROUND:  # Qwen's MoE rounds the weights to the model's dtype (the logits'), kept in float32
+            top = top.to(logits_ptr.dtype.element_ty).to(tl.float32)
     else:  # gpt-oss: a softmax over the top logits, in the logits' dtype as transformers computes it
         e = tl.exp(top - tl.max(top, axis=0))
         top = (e / tl.sum(e, axis=0)).to(logits_ptr.dtype.element_ty).to(tl.float32)
@@ -70,16 +72,22 @@ def routes_in_one_launch(logits: torch.Tensor, top_k: int) -> bool:
 
 
 def route_triton(
-    logits: torch.Tensor, top_k: int, renormalize: bool = False, softmax_first: bool = True
+    logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool = False,
+    softmax_first: bool = True,
+    round_to_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights float32 [T, k], expert ids int64 [T, k]) of router logits [T, E]: `route` (softmax
-    first) or, with softmax_first=False, `route_top_logits`."""
+    first) or, with softmax_first=False, `route_top_logits`. round_to_logits (softmax first): the
+    weights rounded to the logits' dtype, still float32, as the expert kernels read them: the
+    model's cast and the kernels' cast back to float32 are two launches a layer at batch 1."""
     tokens, num_experts = logits.shape
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
     _router_kernel[(tokens,)](
         logits, weights, ids, num_experts, logits.stride(0), TOP_K=top_k,
         BLOCK_E=triton.next_power_of_2(num_experts), SOFTMAX_FIRST=softmax_first, RENORMALIZE=renormalize,
-        num_warps=1 if num_experts <= 256 else 4, **pdl(logits),
+        ROUND=round_to_logits, num_warps=1 if num_experts <= 256 else 4, **pdl(logits),
     )  # fmt: skip
     return weights, ids

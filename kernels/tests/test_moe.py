@@ -182,6 +182,19 @@ def test_router_kernel_equals_the_twins(device, tokens, experts, top_k, dtype, r
         torch.testing.assert_close(got[0].cpu(), want[0], rtol=1e-5, atol=1e-6)
 
 
+def test_router_kernel_rounds_the_weights_to_the_logits_dtype_in_float32(device):
+    """Qwen's MoE rounds its routing weights to the model's dtype: the kernel stores them so
+    rounded, in float32, for the expert kernels to read without two casts."""
+    from tgserve.kernels.moe_router import route_triton
+
+    logits = torch.randn(3, 128, generator=torch.Generator().manual_seed(3)).half()
+    weights, ids = route_triton(logits.to(device), 8, True, round_to_logits=True)
+    want_weights, want_ids = route(logits, 8, True)
+    assert weights.dtype == torch.float32 and torch.equal(ids.cpu(), want_ids)
+    assert torch.equal(weights, weights.half().float()), "values of the logits' dtype"
+    torch.testing.assert_close(weights.cpu(), want_weights.half().float(), rtol=1e-3, atol=0)
+
+
 @pytest.mark.parametrize("experts", [128, 60])
 def test_router_kernel_picks_distinct_experts_in_range_from_logits_that_are_not_finite(device, experts):
     """A padding row of a bucketed step may hold NaN (or inf) logits: its ids must still name k

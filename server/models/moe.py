@@ -118,9 +118,8 @@ class SparseMoE(nn.Module):
         return in_row_slices(self._rows, x)
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = dispatch.route(self.gate(x), self.top_k, self.renormalize)
-        if self.round_weights:
-            weights = weights.to(x.dtype)
+        round_to = x.dtype if self.round_weights else None
+        weights, ids = dispatch.route(self.gate(x), self.top_k, self.renormalize, round_to)
         out = dispatch.fused_moe(x, self.experts.w_gate_up, self.experts.w_down, weights, ids)
         out = self.tp.all_reduce(out)  # each shard's experts hold a slice of the intermediate size
         if self.shared_expert is not None:
