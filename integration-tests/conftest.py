@@ -104,12 +104,16 @@ class ServerProcess:
 
     def wait_until_idle(self, timeout_s: float = 20.0) -> dict[str, float]:
         """The engine pushes stats while idle: the gauges once they show no work and every block
-        free (or as they are after `timeout_s`)."""
-        deadline = time.monotonic() + timeout_s
+        free (or as they are after `timeout_s`), read after an idle engine's next push (every
+        0.25 s): a snapshot from before the last request also shows an idle engine, without what
+        that request changed."""
+        now = time.monotonic()
+        deadline, fresh_at = now + timeout_s, now + 0.5
         while True:
             gauges = self.gauges()
             idle = gauges["tgi_batch_current_size"] == 0 and gauges["tgi_queue_size"] == 0
-            if idle and gauges["tgserve_kv_cache_free_blocks"] == gauges["tgserve_kv_cache_total_blocks"]:
+            all_free = gauges["tgserve_kv_cache_free_blocks"] == gauges["tgserve_kv_cache_total_blocks"]
+            if idle and all_free and time.monotonic() >= fresh_at:
                 return gauges
             if time.monotonic() > deadline:
                 return gauges

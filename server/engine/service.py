@@ -93,6 +93,7 @@ class EngineLoop:
         self.output = output_socket
         self.parent_pid = parent_pid
         self.last_stats_at = 0.0
+        self.stepped = False  # since the last stats went out: the first idle loop sends them at once
         self.running = True
 
     def run(self) -> None:
@@ -106,9 +107,13 @@ class EngineLoop:
                 return
             if self.needs_step():
                 self.step()
-            elif time.monotonic() - self.last_stats_at >= HEARTBEAT_S:
+                self.stepped = True
+            elif self.stepped or time.monotonic() - self.last_stats_at >= HEARTBEAT_S:
+                # As soon as the work ends (a step's stats go out at most every STATS_PERIOD_S, so the
+                # last ones may predate its end), then every HEARTBEAT_S while idle.
                 self.send(p.Heartbeat(stats=self.engine.stats()))
                 self.last_stats_at = time.monotonic()
+                self.stepped = False
 
     def needs_step(self) -> bool:
         """Unfinished requests, or finished ones (aborts) whose runner state a step must still drop."""
