@@ -455,13 +455,22 @@ def rotary(
     cos: torch.Tensor,
     sin: torch.Tensor,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half RoPE of query [T, Hq, D] and key [T, Hk, D] with cos/sin [T, 1, D] or [T, D];
-    with `out`, written into those contiguous tensors (a slice of a step's rows) and returned."""
+    with `out`, written into those contiguous tensors (a slice of a step's rows) and returned.
+    qk_norm: (query weight [D], key weight [D], eps): each head's RMSNorm before the rotation (one
+    launch with it on CUDA where the weights are in the query's dtype)."""
+    in_kernel = (
+        use_triton(query) and qk_norm is not None and qk_norm[0].dtype == qk_norm[1].dtype == query.dtype
+    )
+    if qk_norm is not None and not in_kernel:  # the norms on their own, then the rotation
+        query, key = rms_norm(query, qk_norm[0], qk_norm[2]), rms_norm(key, qk_norm[1], qk_norm[2])
+        qk_norm = None
     if use_triton(query):
         from tgserve.kernels.fused import rotary as triton_rotary
 
-        return triton_rotary(query, key, cos, sin, out)
+        return triton_rotary(query, key, cos, sin, out, qk_norm)
     rotated = reference.rotary(query, key, cos, sin)
     if out is None:
         return rotated

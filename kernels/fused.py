@@ -1,5 +1,5 @@
-"""Triton kernels for a decoder layer's elementwise glue: RMSNorm (with the residual add), rotary,
-SiLU- and tanh-GELU-and-mul.
+"""Triton kernels for a decoder layer's elementwise glue: RMSNorm (with the residual add), rotary
+(optionally after each head's RMSNorm, Qwen3's query and key norms), SiLU- and tanh-GELU-and-mul.
 
 Twins: `reference.rms_norm`, `fused_add_rms_norm`, `rotary`, `silu_and_mul`, `gelu_tanh_and_mul`.
 In eager torch each of these is a chain of small kernels (the fp32 RMSNorm alone is six); at
@@ -170,6 +170,9 @@ def _rotate_heads(
     cos2,
     sin1,
     sin2,
+    norm_ptr,
+    eps,
+    NORM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
@@ -180,6 +183,13 @@ def _rotate_heads(
     x1 = tl.load(src, mask=mask, other=0.0)
     x2 = tl.load(src + half, mask=mask, other=0.0)
     ty: tl.constexpr = dst_ptr.dtype.element_ty
+    if NORM:  # each head's RMSNorm first, rounded as `_rms_norm_kernel` rounds
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        inv = tl.rsqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / (2 * half) + eps)[:, None]
+        w1 = tl.load(norm_ptr + dims, mask=dims < half, other=0.0)[None, :]
+        w2 = tl.load(norm_ptr + half + dims, mask=dims < half, other=0.0)[None, :]
+        x1 = _round_mul((f1 * inv).to(ty), w1, ty)
+        x2 = _round_mul((f2 * inv).to(ty), w2, ty)
     # x * cos + rotate_half(x) * sin, each product and the sum rounded to the output dtype.
     y1 = _round_mul(x1, cos1[None, :], ty).to(tl.float32) + _round_mul(-x2, sin1[None, :], ty).to(tl.float32)
     y2 = _round_mul(x2, cos2[None, :], ty).to(tl.float32) + _round_mul(x1, sin2[None, :], ty).to(tl.float32)
@@ -196,6 +206,9 @@ def _rotary_kernel(
     sin_ptr,
     q_out_ptr,
     k_out_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    eps,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -206,6 +219,7 @@ def _rotary_kernel(
     num_k_heads,
     q_blocks,
     half,
+    NORM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     PDL: tl.constexpr = False,
@@ -222,11 +236,12 @@ def _rotary_kernel(
     sin2 = tl.load(sin_ptr + token * stride_st + half + dims, mask=dmask, other=0.0)
     if block < q_blocks:
         _rotate_heads(q_ptr + token * stride_qt, q_out_ptr + token * num_q_heads * 2 * half, stride_qh,
-                      block * BLOCK_H, num_q_heads, half, cos1, cos2, sin1, sin2, BLOCK_H, BLOCK_HALF)  # fmt: skip
+                      block * BLOCK_H, num_q_heads, half, cos1, cos2, sin1, sin2, q_norm_ptr, eps, NORM, BLOCK_H,
+                      BLOCK_HALF)  # fmt: skip
     else:
         _rotate_heads(k_ptr + token * stride_kt, k_out_ptr + token * num_k_heads * 2 * half, stride_kh,
-                      (block - q_blocks) * BLOCK_H, num_k_heads, half, cos1, cos2, sin1, sin2, BLOCK_H,
-                      BLOCK_HALF)  # fmt: skip
+                      (block - q_blocks) * BLOCK_H, num_k_heads, half, cos1, cos2, sin1, sin2, k_norm_ptr, eps,
+                      NORM, BLOCK_H, BLOCK_HALF)  # fmt: skip
 
 
 def _unit_stride_last(x: torch.Tensor) -> torch.Tensor:
@@ -250,9 +265,12 @@ def rotary(
     cos: torch.Tensor,
     sin: torch.Tensor,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half RoPE of query [T, Hq, D] and key [T, Hk, D] (strided views allowed), into new
-    contiguous outputs or into `out`, contiguous tensors of their shapes (rows of a larger one)."""
+    contiguous outputs or into `out`, contiguous tensors of their shapes (rows of a larger one).
+    qk_norm: (query weight [D], key weight [D], eps), each head's RMSNorm (`rms_norm`) applied
+    before the rotation in the same launch (Qwen3's per-head norms: two launches fewer a layer)."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_k_heads = key.shape[1]
     assert key.shape == (num_tokens, num_k_heads, head_dim) and key.dtype == query.dtype
@@ -273,10 +291,16 @@ def rotary(
     block_h = _rotary_block_h(max(num_q_heads, num_k_heads), block_half)
     q_blocks = triton.cdiv(num_q_heads, block_h)
     grid = (num_tokens, q_blocks + triton.cdiv(num_k_heads, block_h))
+    q_norm, k_norm, eps = qk_norm or (query, key, 0.0)  # unread without the norms
+    if qk_norm is not None:
+        assert (
+            q_norm.shape == k_norm.shape == (head_dim,)
+            and q_norm.dtype == k_norm.dtype == query.dtype == out_dtype
+        )
     # No FMA contraction: fp32 then rounds the two products apart, as torch's separate kernels do.
-    _rotary_kernel[grid](query, key, cos, sin, q_out, k_out, query.stride(0), query.stride(1), key.stride(0),
-                         key.stride(1), cos.stride(0), sin.stride(0), num_q_heads, num_k_heads, q_blocks,
-                         head_dim // 2, BLOCK_H=block_h, BLOCK_HALF=block_half,
+    _rotary_kernel[grid](query, key, cos, sin, q_out, k_out, q_norm, k_norm, eps, query.stride(0), query.stride(1),
+                         key.stride(0), key.stride(1), cos.stride(0), sin.stride(0), num_q_heads, num_k_heads,
+                         q_blocks, head_dim // 2, NORM=qk_norm is not None, BLOCK_H=block_h, BLOCK_HALF=block_half,
                          enable_fp_fusion=False, **pdl(query))  # fmt: skip
     return q_out, k_out
 

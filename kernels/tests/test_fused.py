@@ -179,6 +179,29 @@ def test_rotary_arbitrary_cos_sin(device):
     torch.testing.assert_close(got_k.cpu(), want_k, **EXACT)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,head_dim", [(1, 128), (5, 64), (3, 96)])
+def test_rotary_with_head_norms(device, dtype, tokens, head_dim):
+    """Qwen3's per-head RMSNorm of queries and keys in the rotary's launch: the norms' twins, then
+    the rotary's, within the norm's reduction order (then the rotation rounds exactly as torch)."""
+    q, k, _ = _fused_qkv(tokens, (9, 3), head_dim, dtype, seed=30 + tokens)
+    cos, sin = _cos_sin(tokens, head_dim, dtype, seed=31)
+    q_weight, k_weight = _randn(head_dim, dtype=dtype, seed=32), _randn(head_dim, dtype=dtype, seed=33)
+    got_q, got_k = _fused().rotary(
+        *_on(device, q, k, cos, sin), qk_norm=(*_on(device, q_weight, k_weight), 1e-6)
+    )
+    want_q, want_k = reference.rotary(
+        reference.rms_norm(q, q_weight, 1e-6), reference.rms_norm(k, k_weight, 1e-6), cos, sin
+    )
+    torch.testing.assert_close(got_q.cpu(), want_q, **TOL[dtype])
+    torch.testing.assert_close(got_k.cpu(), want_k, **TOL[dtype])
+    # and the CPU path of the dispatch (norms, then rotary) gives the twins' values exactly
+    for got, want in zip(
+        dispatch.rotary(q, k, cos, sin, qk_norm=(q_weight, k_weight, 1e-6)), (want_q, want_k)
+    ):
+        torch.testing.assert_close(got, want, **EXACT)
+
+
 # ---- gated activations: SiLU- and tanh-GELU-and-mul (one kernel, the activation a constexpr) ----
 
 # Per activation: the gate values that saturate it both ways (exp overflow must give silu = -0, x;
@@ -253,6 +276,15 @@ def test_rotary_bf16_gpu(tokens):
     cos, sin = (t.cuda() for t in _cos_sin(tokens, 128, torch.bfloat16, seed=24))
     for got, want in zip(dispatch.rotary(q, k, cos, sin), reference.rotary(q, k, cos, sin)):
         torch.testing.assert_close(got, want, **EXACT)
+    norms = [
+        t.cuda()
+        for t in (_randn(128, dtype=torch.bfloat16, seed=25), _randn(128, dtype=torch.bfloat16, seed=26))
+    ]
+    normed = reference.rms_norm(q, norms[0], 1e-6), reference.rms_norm(k, norms[1], 1e-6)
+    for got, want in zip(
+        dispatch.rotary(q, k, cos, sin, qk_norm=(*norms, 1e-6)), reference.rotary(*normed, cos, sin)
+    ):
+        torch.testing.assert_close(got, want, **TOL[torch.bfloat16])
 
 
 @pytest.mark.gpu

@@ -109,7 +109,8 @@ class GptOssMoE(nn.Module):
         return in_row_slices(self._rows, x)
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = dispatch.route_top_logits(self.router(x), self.top_k)
+        logits = dispatch.linear(x, self.router.weight, self.router.bias)  # one row: the skinny kernel
+        weights, ids = dispatch.route_top_logits(logits, self.top_k)
         experts = self.experts
         out = dispatch.fused_moe(x, experts.w_gate_up, experts.w_down, weights, ids,
                                  (experts.b_gate_up, experts.b_down), self.gating)  # fmt: skip

@@ -91,14 +91,16 @@ class RotaryEmbedding(nn.Module):
         key: torch.Tensor,
         rows: slice | None = None,
         out: tuple[torch.Tensor, torch.Tensor] | None = None,
+        qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """query [T, H, D], key [T, H_kv, D] at `positions` [T], or with `rows`, a slice of the
         step's rows at `positions[rows]` (cos/sin stay memoised on the whole step's positions);
-        with `out`, written there."""
+        with `out`, written there. qk_norm: per-head RMSNorm weights of query and key, and eps,
+        applied before the rotation (`dispatch.rotary`)."""
         cos, sin = self.cos_sin(positions, query.dtype)
         if rows is not None:
             cos, sin = cos[rows], sin[rows]
-        return dispatch.rotary(query, key, cos, sin, out)
+        return dispatch.rotary(query, key, cos, sin, out, qk_norm)
 
 
 class FusedWeightLoader:

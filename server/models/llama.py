@@ -64,6 +64,7 @@ class LlamaAttention(nn.Module):
             config.hidden_size, [full_q, full_kv, full_kv], flags["qkv_bias"]
         )
         self.o_proj = RowParallelLinear(full_q, config.hidden_size, flags["o_bias"])
+        # (applied by the rotary, `_qkv`; modules for their checkpoint names)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if flags["qk_norm"] else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if flags["qk_norm"] else None
         self.rotary = rotary
@@ -124,9 +125,10 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        qk_norm = None  # Qwen3's per-head norms, in the rotary's launch
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k, rows, out)
+            qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        q, k = self.rotary(positions, q, k, rows, out, qk_norm)
         return q, k, v
 
     def _qkv_in_slices(self, positions: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:

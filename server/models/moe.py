@@ -119,7 +119,9 @@ class SparseMoE(nn.Module):
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
         round_to = x.dtype if self.round_weights else None
-        weights, ids = dispatch.route(self.gate(x), self.top_k, self.renormalize, round_to)
+        # (dispatch.linear: one row's router logits through the skinny kernel, not cuBLAS's GEMM)
+        logits = dispatch.linear(x, self.gate.weight)
+        weights, ids = dispatch.route(logits, self.top_k, self.renormalize, round_to)
         out = dispatch.fused_moe(x, self.experts.w_gate_up, self.experts.w_down, weights, ids)
         out = self.tp.all_reduce(out)  # each shard's experts hold a slice of the intermediate size
         if self.shared_expert is not None:
