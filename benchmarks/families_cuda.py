@@ -141,7 +141,8 @@ def copy_bandwidth() -> float:
 
 def profile_decode(engine: LLMEngine, vocab: int, path: Path) -> None:
     """Kernels of 32 batch-1 decode steps by GPU time (torch.profiler), written to `path`: where a
-    family's time over its weight-read floor goes."""
+    family's time over its weight-read floor goes. Under programmatic dependent launch a kernel's
+    time includes its wait for the one before; `--profile-eager` gives each kernel's own."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -149,7 +150,11 @@ def profile_decode(engine: LLMEngine, vocab: int, path: Path) -> None:
     path.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
 
 
-def measure(family: str, layers: int, concurrent: int, profile_dir: Path | None = None) -> dict:
+def measure(
+    family: str, layers: int, concurrent: int, profile_dir: Path | None = None, eager: bool = False
+) -> dict:
+    """eager: no CUDA graphs and no programmatic dependent launch (the profile's kernel times are
+    then each kernel's own; the batch-1 time is not the served one)."""
     with tempfile.TemporaryDirectory() as tmp:
         engine = LLMEngine(
             EngineArgs(
@@ -158,6 +163,8 @@ def measure(family: str, layers: int, concurrent: int, profile_dir: Path | None 
                 max_model_len=4096,
                 max_num_seqs=max(concurrent, 1),
                 gpu_memory_utilization=0.85,
+                cuda_graphs=not eager,
+                programmatic_dependent_launch=not eager,
             )  # fmt: skip
         )
         freeze_startup_heap("families benchmark")
@@ -203,10 +210,15 @@ def main() -> None:
     parser.add_argument("--concurrent", type=int, default=256)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--profile", type=Path, help="write each family's batch-1 decode kernels here")
+    parser.add_argument("--profile-eager", action="store_true",
+                        help="run without CUDA graphs and PDL: each kernel's own time in the profile")  # fmt: skip
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(measure(args.one, args.layers, args.concurrent, args.profile)), flush=True)
+        print(
+            json.dumps(measure(args.one, args.layers, args.concurrent, args.profile, args.profile_eager)),
+            flush=True,
+        )
         return
     rows = []
     for family in args.families:
@@ -214,6 +226,8 @@ def main() -> None:
                    "--concurrent", str(args.concurrent)]  # fmt: skip
         if args.profile:
             command += ["--profile", str(args.profile)]
+        if args.profile_eager:
+            command += ["--profile-eager"]
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
         if done.returncode or not lines:
