@@ -533,24 +533,19 @@ def fused_moe(
     return reference.fused_moe(x, w_gate_up, w_down, weights, ids, biases, gating)
 
 
-# One row through a weight of at most this many output rows (any input width): where cuBLAS splits K
-# and launches a reduction, the skinny kernel measured faster on an H200 (us in CUDA graphs: o_proj of
-# an 8B model 10.0 against 13.2, down 4096 x 14336 30.6 against 32.1, 3072 x 4096 8.9 against
-# 11.5; batch-1 decode 4.575 -> 4.482 ms a token with down added). Wider weights (qkv 6144 rows:
-# 16.7 against 15.6; gate_up), or two rows (down: 37.9 against 32.1), stay cuBLAS's
-# (kernels/bench/bench_gemv.py; docs/benchmarks/2026-11-30-sparse-wide-walk-h200.md).
-SKINNY_MAX_ROWS = 4096
+def one_row_setting(x: torch.Tensor, weight: torch.Tensor) -> dict | None:
+    """The skinny kernel's setting for x @ weight^T where x is one unit-stride row and the device's
+    measurements (`gemv_settings`) favour it at this weight's shape; None: cuBLAS's product."""
+    if x.dim() != 2 or x.shape[0] != 1 or x.stride(-1) != 1 or weight.stride(-1) != 1:
+        return None
+    from tgserve.kernels.gemv_settings import one_row_setting as setting_for_shape
+
+    return setting_for_shape(weight)
 
 
 def takes_skinny_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """One row of unit-stride activations through a small weight (device aside)."""
-    return (
-        x.dim() == 2
-        and x.shape[0] == 1
-        and weight.shape[0] <= SKINNY_MAX_ROWS
-        and x.stride(-1) == 1
-        and weight.stride(-1) == 1
-    )
+    """One row of unit-stride activations through a weight the skinny kernel is faster for."""
+    return one_row_setting(x, weight) is not None
 
 
 def linear(
@@ -565,10 +560,11 @@ def linear(
         from tgserve.kernels.fp8 import fp8_linear
 
         return fp8_linear(x, weight, weight_scale, bias)
-    if use_triton(x) and takes_skinny_path(x, weight):
+    setting = one_row_setting(x, weight) if use_triton(x) else None
+    if setting is not None:
         from tgserve.kernels.gemv import skinny_linear
 
-        return skinny_linear(x, weight, bias)
+        return skinny_linear(x, weight, bias, setting)
     return torch.nn.functional.linear(x, weight, bias)
 
 

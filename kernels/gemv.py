@@ -7,8 +7,9 @@ extra programs and then launches a separate reduction: on an H200 the pair takes
 MB, 2.5 TB/s, in a CUDA graph. Here each program streams BLOCK_N whole weight rows (no split, no
 reduction kernel), keeping the next tile's load in flight while it multiplies the current one, and
 partial sums per lane until the end (one cross-thread reduction per program): 11.4 us.
-`dispatch.linear` sends only the shapes where that was measured faster (kernels/bench/bench_gemv.py);
-larger weights, and two rows or more, stay cuBLAS's.
+`dispatch.linear` sends only the shapes where that was measured faster, with the setting measured
+fastest on the device (kernels/gemv_settings.py, kernels/bench/bench_gemv.py --tune); two rows or
+more stay cuBLAS's.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
     tl.store(y_at, out.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-CONFIG = {"BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 4}  # the fastest of benchmarks' sweep on an H200
+CONFIG = {"BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 4}  # the fastest of the sweep on an H200: the default
 
 
 def skinny_linear(

@@ -6,8 +6,15 @@ Batch-1 decode runs each projection once per layer inside a CUDA graph, its weig
 (the 8B model's 16 GB cannot stay in the 50 MB L2). So each measurement captures one graph that
 runs the product over enough copies of the weight to exceed L2 (400 MB), and reports the graph's
 time per product. Rows 1 and 2, bf16; shapes of one GPU and of two-way tensor parallelism; each
-kernel setting of the sweep checked against cuBLAS's output. `dispatch.SKINNY_MAX_ROWS` is set
-from this table.
+kernel setting of the sweep checked against cuBLAS's output. `gemv_settings.SKINNY_MAX_ROWS`, the
+rule for devices the tuned table does not hold, was set from this table on an H200.
+
+    python kernels/bench/bench_gemv.py --tune --write kernels/gemv_tuned.json
+
+One row through each projection shape of the served families (benchmarks/families_cuda.py's, and
+Llama-3-8B's under two-way tensor parallelism): cuBLAS, the skinny kernel's default setting and the
+fastest of the sweep; --write records, under this device's name, the fastest setting of each shape
+or "cublas" where cuBLAS is at least as fast (within 1%), which `dispatch.linear` then follows.
 
     python kernels/bench/bench_gemv.py --fp8
 
@@ -20,11 +27,15 @@ table; its error column is the float32 output's, where the MMA's own summation s
 from __future__ import annotations
 
 import argparse
+import datetime
 import itertools
+import json
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from tgserve.kernels.fp8_format import quantize_rows
 from tgserve.kernels.gemv import skinny_linear
@@ -67,22 +78,82 @@ def graph_us(products: list[Callable[[], object]], replays: int = 10) -> float:
     return start.elapsed_time(end) * 1e3 / replays / len(products)
 
 
-def measure(rows: int, n: int, k: int) -> tuple[float, float, dict, float]:
+def measure(rows: int, n: int, k: int, candidates: list[dict] = SWEEP) -> tuple[float, float, dict, float]:
     """(cuBLAS us, best skinny us, its setting, its max error relative to cuBLAS's largest output)."""
+    cublas, timed = measure_each(rows, n, k, candidates)
+    us, err, config = min((us, err, i) for i, (us, err) in enumerate(timed))
+    return cublas, us, candidates[config], err
+
+
+def measure_each(
+    rows: int, n: int, k: int, candidates: list[dict]
+) -> tuple[float, list[tuple[float, float]]]:
+    """cuBLAS us, and (us, max error relative to cuBLAS's largest output) for each skinny setting."""
     copies = max(2, -(-(400 << 20) // (n * k * 2)))
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     want = F.linear(x, weights[0]).float()
     cublas = graph_us([lambda w=w: F.linear(x, w) for w in weights])
-    best = None
-    for config in SWEEP:
+    timed = []
+    for config in candidates:
         err = float(
             (skinny_linear(x, weights[0], None, config).float() - want).abs().max() / want.abs().max()
         )
-        us = graph_us([lambda w=w, c=config: skinny_linear(x, w, None, c) for w in weights])
-        if best is None or us < best[0]:
-            best = (us, config, err)
-    return cublas, *best
+        timed.append((graph_us([lambda w=w, c=config: skinny_linear(x, w, None, c) for w in weights]), err))
+    return cublas, timed
+
+
+# Output rows x input width of each one-row product at batch-1 decode (fused qkv and gate_up where
+# the family fuses them; the transformers fallback's separate projections for OLMo 2 and Granite).
+TUNE_SHAPES = {
+    "qwen3-30b-a3b": [(5120, 2048), (2048, 4096), (128, 2048)],
+    "phi-3-mini": [(9216, 3072), (3072, 3072), (16384, 3072), (3072, 8192)],
+    "llama-3-8b / qwen3-8b / mixtral": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)],
+    "qwen3-8b": [(24576, 4096), (4096, 12288)],
+    "mixtral-8x7b router": [(8, 4096)],
+    "gemma-2-9b": [(8192, 3584), (3584, 4096), (28672, 3584), (3584, 14336)],
+    "gpt-oss-20b": [(5120, 2880), (2880, 4096), (32, 2880)],
+    "olmo2-7b (fallback)": [(11008, 4096), (4096, 11008)],
+    "granite-3-8b (fallback)": [(1024, 4096), (12800, 4096), (4096, 12800)],
+    "llama-3-8b, two-way TP": [(3072, 4096), (4096, 2048), (14336, 4096), (4096, 7168)],
+}
+TUNE_SWEEP = SWEEP + [
+    dict(BLOCK_N=1, BLOCK_K=k, num_warps=w) for k, w in itertools.product((512, 1024), (4, 8))
+]
+CUBLAS_MARGIN = 0.99  # a tuned setting must beat cuBLAS by 1% to be recorded: closer is noise
+
+
+def tune(write: Path | None) -> None:
+    """Each shape once: cuBLAS, the default setting, the fastest of TUNE_SWEEP; the choice recorded."""
+    from tgserve.kernels.gemv import CONFIG
+    from tgserve.kernels.gemv_settings import CUBLAS, shape_key
+
+    shapes = list(dict.fromkeys(shape for group in TUNE_SHAPES.values() for shape in group))
+    print("| weight | cuBLAS us | skinny default us | skinny tuned us | setting | TB/s | chosen |\n"
+          "|---|---|---|---|---|---|---|")  # fmt: skip
+    chosen: dict[str, dict | str] = {}
+    for n, k in shapes:
+        cublas, timed = measure_each(1, n, k, [CONFIG, *TUNE_SWEEP])
+        default = timed[0][0]
+        us, _, best_at = min((us, err, i) for i, (us, err) in enumerate(timed))
+        config = [CONFIG, *TUNE_SWEEP][best_at]
+        pick = config if us < CUBLAS_MARGIN * cublas else CUBLAS
+        chosen[shape_key(n, k)] = pick
+        best = min(us, cublas)
+        print(f"| {n}x{k} | {cublas:.2f} | {default:.2f} | {us:.2f} | {config} | {n * k * 2 / best / 1e6:.2f} | "
+              f"{'cuBLAS' if pick == CUBLAS else 'skinny'} |", flush=True)  # fmt: skip
+        if write is not None:  # after each shape: a run cut short keeps what it measured
+            record(write, chosen)
+
+
+def record(path: Path, chosen: dict[str, dict | str]) -> None:
+    """This device's choices into the table at path, other devices' kept."""
+    table = json.loads(path.read_text()) if path.exists() else {}
+    table[torch.cuda.get_device_name()] = {
+        "measured": f"{datetime.date.today()}, torch {torch.__version__}, triton {triton.__version__}",
+        "shapes": chosen,
+    }
+    path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
 
 
 GEMV_SWEEP = [
@@ -153,8 +224,14 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--fp8", action="store_true", help="fp8 weights (--quantize fp8)")
+    parser.add_argument("--tune", action="store_true", help="the served families' shapes, one row")
+    parser.add_argument("--write", type=Path, help="with --tune: record the choices in this JSON file")
+    args = parser.parse_args()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    if parser.parse_args().fp8:
+    if args.tune:
+        tune(args.write)
+        return
+    if args.fp8:
         main_fp8()
         return
     print("| weight | rows | cuBLAS us | skinny us | setting | rel. error |\n|---|---|---|---|---|---|")

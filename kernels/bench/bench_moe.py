@@ -3,6 +3,7 @@ the chosen experts, in CUDA graphs (kernels/moe.py's DECODE_LAUNCH is set from t
 
     python kernels/bench/bench_moe.py
     python kernels/bench/bench_moe.py --one-token   # the GEMV path (moe_decode.py) beside the grouped kernels
+    python kernels/bench/bench_moe.py --one-token --each-kernel   # its two launches' settings swept apart
 
 One token routed to k experts of each family's real shape, bf16; each graph runs the layer over
 enough copies of the experts to exceed L2, as a decode step reads them from HBM. Every setting is
@@ -46,6 +47,13 @@ GEMV_SWEEP = [
 ]
 
 
+# --each-kernel: wider and narrower tiles too (a whole Qwen3-30B-A3B expert row of 768 in one tile).
+EACH_KERNEL_SWEEP = [
+    dict(block_n=n, block_k=k, num_warps=w)
+    for n, k, w in itertools.product((1, 2, 4, 8, 16), (256, 512, 1024), (4, 8))
+]
+
+
 def _calls(fn, x, weights, ids, w) -> list:
     """One call of `fn` a copy of the experts, for `graph_us`."""
     return [lambda c=c: fn(x, *c, weights, ids) for c in w]
@@ -82,6 +90,31 @@ def compare_one_token(names: list[str], top: int) -> None:
     moe_decode.DOWN_LAUNCH.update(saved[1])
 
 
+def sweep_each_kernel(names: list[str], top: int, kernels: list[str]) -> None:
+    """The one-token path's gate_up launch swept with the down launch at its default, then the down
+    launch with gate_up at its default: each kernel's best setting, the layer's time with it."""
+    print("| family | kernel swept | setting | layer us | change |\n|---|---|---|---|---|")
+    for name in names:
+        experts, top_k, hidden, inter = FAMILIES[name]
+        x, weights, ids, w = layers(experts, top_k, hidden, inter, copies=3)
+        want = moe_decode.one_token_moe(x, *w[0], weights, ids)
+        base = graph_us(_calls(moe_decode.one_token_moe, x, weights, ids, w))
+        for kernel in kernels:
+            saved = dict(getattr(moe_decode, kernel))
+            rows = []
+            for launch in EACH_KERNEL_SWEEP:
+                getattr(moe_decode, kernel).update(launch)
+                got = moe_decode.one_token_moe(x, *w[0], weights, ids)
+                assert (got.float() - want.float()).abs().max() <= 2e-2 * want.abs().max()
+                rows.append((graph_us(_calls(moe_decode.one_token_moe, x, weights, ids, w)), launch))
+            getattr(moe_decode, kernel).clear()
+            getattr(moe_decode, kernel).update(saved)
+            rows.sort(key=lambda r: r[0])
+            print(f"| {name} | {kernel} | default {saved} | {base:.1f} | |")
+            for us, launch in rows[:top]:
+                print(f"| {name} | {kernel} | {launch} | {us:.1f} | {us / base - 1:+.1%} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -89,8 +122,14 @@ def main() -> None:
     parser.add_argument("--families", nargs="*", default=list(FAMILIES))
     parser.add_argument("--top", type=int, default=5, help="how many of the fastest tiles to print")
     parser.add_argument("--one-token", action="store_true", help="the GEMV path beside the grouped kernels")
+    parser.add_argument("--each-kernel", action="store_true", help="with --one-token: its two launches apart")
+    parser.add_argument("--kernels", nargs="+", default=["GATE_UP_LAUNCH", "DOWN_LAUNCH"],
+                        choices=["GATE_UP_LAUNCH", "DOWN_LAUNCH"], help="with --each-kernel: which to sweep")  # fmt: skip
     args = parser.parse_args()
     moe.ONE_TOKEN_GEMV = False  # fused_moe_triton below is the grouped kernels; the GEMVs are called directly
+    if args.one_token and args.each_kernel:
+        sweep_each_kernel(args.families, args.top, args.kernels)
+        return
     if args.one_token:
         compare_one_token(args.families, args.top)
         return

@@ -70,7 +70,9 @@ def test_gpt_oss_experts_equal_the_twin(
     assert (got.cpu().float() - want).abs().max() <= tolerance
 
 
-@pytest.mark.parametrize("experts,top_k,hidden,inter", [(8, 2, 32, 48), (16, 4, 40, 24), (6, 1, 17, 9)])
+@pytest.mark.parametrize(
+    "experts,top_k,hidden,inter", [(8, 2, 32, 48), (16, 4, 40, 24), (6, 1, 17, 9), (12, 3, 20, 40)]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("gpt_oss", [False, True])
 def test_one_token_gemv_path_equals_the_twin(

@@ -4,7 +4,7 @@ At batch-1 decode every projection is one row through its weight. For weights of
 cuBLAS splits the reduction and launches a second kernel to sum it; on OLMo-2-7B's fallback (H100,
 8 layers) those split GEMVs and their reductions were over a third of the step. The native models
 send such rows through `dispatch.linear`, whose skinny kernel measured faster there (see
-`dispatch.SKINNY_MAX_ROWS`). Each plain `nn.Linear` of a fallback model becomes a `KernelLinear`
+`kernels/gemv_settings.py`). Each plain `nn.Linear` of a fallback model becomes a `KernelLinear`
 in place (its class changed, so parameters, attributes, hooks and tied weights stay as they
 were): one row on CUDA goes to `dispatch.linear`, everything else to `F.linear` as before, so CPU
 results are unchanged bit for bit.
