@@ -7,9 +7,10 @@ where a tuned one wins (20.6), and a tuned setting beats it by 20-50% on small w
 o_proj 8.2 -> 6.7 us, its router 2.9 -> 1.7; docs/benchmarks/2026-12-06-gemv-settings-per-shape-h100.md).
 `kernels/bench/bench_gemv.py --tune --write` measures, on the device at hand, cuBLAS and every
 setting of the sweep for each projection shape of the served families, in CUDA graphs over weights
-larger than L2, and records the fastest in gemv_tuned.json under the device's name. A device or shape the file does not hold keeps the rule measured on an
-H200 before the table existed: the default setting up to SKINNY_MAX_ROWS output rows, cuBLAS above.
-Only 2-byte weights are tuned (bf16, fp16): the table's times are theirs.
+larger than L2, and records the fastest in gemv_tuned.json under the device's name. A device or
+shape the file does not hold keeps the rule measured on an H200 before the table existed: the
+default setting up to SKINNY_MAX_ROWS output rows, cuBLAS above. Only 2-byte weights follow the
+table (bf16, fp16): its times are theirs.
 """
 
 from __future__ import annotations
