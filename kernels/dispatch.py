@@ -538,14 +538,9 @@ def one_row_setting(x: torch.Tensor, weight: torch.Tensor) -> dict | None:
     measurements (`gemv_settings`) favour it at this weight's shape; None: cuBLAS's product."""
     if x.dim() != 2 or x.shape[0] != 1 or x.stride(-1) != 1 or weight.stride(-1) != 1:
         return None
-    from tgserve.kernels.gemv_settings import one_row_setting as setting_for_shape
+    from tgserve.kernels.gemv_settings import setting_for_weight
 
-    return setting_for_shape(weight)
-
-
-def takes_skinny_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """One row of unit-stride activations through a weight the skinny kernel is faster for."""
-    return one_row_setting(x, weight) is not None
+    return setting_for_weight(weight)
 
 
 def linear(

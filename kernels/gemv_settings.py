@@ -49,7 +49,7 @@ def _device_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
-def one_row_setting(weight: torch.Tensor) -> dict | None:
+def setting_for_weight(weight: torch.Tensor) -> dict | None:
     """The skinny kernel's setting for one row through `weight` ({} is its default), or None where
     cuBLAS is the faster."""
     device = _device_name(weight.device.index or 0) if weight.is_cuda else None

@@ -78,11 +78,16 @@ def graph_us(products: list[Callable[[], object]], replays: int = 10) -> float:
     return start.elapsed_time(end) * 1e3 / replays / len(products)
 
 
-def measure(rows: int, n: int, k: int, candidates: list[dict] = SWEEP) -> tuple[float, float, dict, float]:
+def measure(rows: int, n: int, k: int) -> tuple[float, float, dict, float]:
     """(cuBLAS us, best skinny us, its setting, its max error relative to cuBLAS's largest output)."""
-    cublas, timed = measure_each(rows, n, k, candidates)
-    us, err, config = min((us, err, i) for i, (us, err) in enumerate(timed))
-    return cublas, us, candidates[config], err
+    cublas, timed = measure_each(rows, n, k, SWEEP)
+    us, err, best = fastest(timed)
+    return cublas, us, SWEEP[best], err
+
+
+def fastest(timed: list[tuple[float, float]]) -> tuple[float, float, int]:
+    """(us, error, index) of the fastest of measure_each's settings."""
+    return min((us, err, i) for i, (us, err) in enumerate(timed))
 
 
 def measure_each(
@@ -129,14 +134,15 @@ def tune(write: Path | None) -> None:
     from tgserve.kernels.gemv_settings import CUBLAS, shape_key
 
     shapes = list(dict.fromkeys(shape for group in TUNE_SHAPES.values() for shape in group))
+    candidates = [CONFIG, *TUNE_SWEEP]  # the default first
     print("| weight | cuBLAS us | skinny default us | skinny tuned us | setting | TB/s | chosen |\n"
           "|---|---|---|---|---|---|---|")  # fmt: skip
     chosen: dict[str, dict | str] = {}
     for n, k in shapes:
-        cublas, timed = measure_each(1, n, k, [CONFIG, *TUNE_SWEEP])
+        cublas, timed = measure_each(1, n, k, candidates)
         default = timed[0][0]
-        us, _, best_at = min((us, err, i) for i, (us, err) in enumerate(timed))
-        config = [CONFIG, *TUNE_SWEEP][best_at]
+        us, _, best = fastest(timed)
+        config = candidates[best]
         pick = config if us < CUBLAS_MARGIN * cublas else CUBLAS
         chosen[shape_key(n, k)] = pick
         best = min(us, cublas)

@@ -107,17 +107,21 @@ def test_a_prompt_in_the_tail_range_folds_in_its_skipped_blocks():
 
 
 def test_skinny_path_takes_one_row_through_narrow_weights_only():
-    """The measured rule: weights of at most 4096 output rows (o_proj, down) at batch 1; qkv,
+    """The rule for devices without a tuned table: weights of at most 4096 output rows (o_proj, down); qkv,
     gate_up and two rows stay cuBLAS's. On CPU, dispatch.linear is F.linear whatever the shape."""
     o_proj, qkv, gate_up = torch.empty(4096, 4096), torch.empty(6144, 4096), torch.empty(28672, 4096)
+
+    def skinny(x, weight):
+        return dispatch.one_row_setting(x, weight) is not None
+
     row, rows = torch.empty(1, 4096), torch.empty(2, 4096)
-    assert dispatch.takes_skinny_path(row, o_proj)
-    assert dispatch.takes_skinny_path(row, torch.empty(3072, 4096))  # qkv under two-way TP
-    assert dispatch.takes_skinny_path(torch.empty(1, 14336), torch.empty(4096, 14336))  # down
-    assert not dispatch.takes_skinny_path(row, qkv)
-    assert not dispatch.takes_skinny_path(row, gate_up)
-    assert not dispatch.takes_skinny_path(rows, o_proj)
-    assert not dispatch.takes_skinny_path(torch.empty(4096, 2)[:, :1].t(), o_proj)  # strided row
+    assert skinny(row, o_proj)
+    assert skinny(row, torch.empty(3072, 4096))  # qkv under two-way TP
+    assert skinny(torch.empty(1, 14336), torch.empty(4096, 14336))  # down
+    assert not skinny(row, qkv)
+    assert not skinny(row, gate_up)
+    assert not skinny(rows, o_proj)
+    assert not skinny(torch.empty(4096, 2)[:, :1].t(), o_proj)  # strided row
     x, w, b = torch.randn(1, 8), torch.randn(3, 8), torch.randn(3)
     assert torch.equal(dispatch.linear(x, w, b), torch.nn.functional.linear(x, w, b))
 
