@@ -80,6 +80,16 @@ def _engine_shapes(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
     )
 
 
+def _plain_call(args: tuple, kwargs: dict) -> bool:
+    """`(q, k, cos, sin)` given by position, all tensors, unsqueezed at dim 1 (by default or by name)."""
+    return (
+        len(args) in (4, 5)
+        and args[4:] in ((), (1,))
+        and kwargs in ({}, {"unsqueeze_dim": 1})
+        and all(isinstance(t, torch.Tensor) for t in args[:4])
+    )
+
+
 # (query dtype, cos dtype) -> whether the function casts its outputs back to the query's dtype
 Approved = dict[tuple[torch.dtype, torch.dtype], bool]
 
@@ -89,12 +99,14 @@ def _replacement(original: Rotary) -> Rotary:
     (`tgserve_approved`, grown as models of other dtypes load)."""
     approved: Approved = {}
 
-    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
-        plain = args in ((), (1,)) and kwargs in ({}, {"unsqueeze_dim": 1})
-        cast_back = approved.get((q.dtype, cos.dtype))
-        if _active.get() and plain and cast_back is not None and _engine_shapes(q, k, cos, sin):
-            return fused_rotary(q, k, cos, sin, cast_back)
-        return original(q, k, cos, sin, *args, **kwargs)
+    def apply_rotary_pos_emb(*args, **kwargs):
+        # Any other call form (Qwen4-Exp rotates queries alone: `q, cos=..., sin=...`) is the original's.
+        if _active.get() and _plain_call(args, kwargs):
+            q, k, cos, sin = args[:4]
+            cast_back = approved.get((q.dtype, cos.dtype))
+            if cast_back is not None and _engine_shapes(q, k, cos, sin):
+                return fused_rotary(q, k, cos, sin, cast_back)
+        return original(*args, **kwargs)
 
     apply_rotary_pos_emb.tgserve_original = original  # type: ignore[attr-defined]
     apply_rotary_pos_emb.tgserve_approved = approved  # type: ignore[attr-defined]

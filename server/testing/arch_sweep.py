@@ -41,6 +41,8 @@ SIZES: dict[str, Any] = {
     "qk_nope_head_dim": 8, "v_head_dim": 16, "sliding_window": 16, "n_group": 1, "topk_group": 1,
     # RoCBert's glyph-shape and pronunciation embeddings (25K and 910 ids, 512 and 768 wide by default).
     "shape_embed_dim": 16, "shape_vocab_size": 64, "pronunciation_embed_dim": 16, "pronunciation_vocab_size": 64,
+    # Inkling 2's sliding-window layers name their own heads and window.
+    "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "swa_head_dim": 16, "sliding_window_size": 16,
 }  # fmt: skip
 MULTIMODAL = "multimodal (sub-configs)"
 MULTIMODAL_PARTS = ("vision_config", "audio_config", "text_config", "speech_config", "encoder_config")
@@ -148,6 +150,8 @@ def tiny_config(model_type: str, ids: Any, **overrides: Any) -> Any:
     settable = [name for name in SIZES if not isinstance(getattr(type(default), name, None), property)]
     sizes = {name: SIZES[name] for name in settable if _has(default, name)}
     sizes |= consistent_sizes(default, sizes) | per_layer_inputs(default, ids.vocab_size)
+    if "unpadded_vocab_size" in vars(default):  # Inkling 2's LM head: the vocabulary before padding
+        sizes["unpadded_vocab_size"] = ids.vocab_size
     # BERT-style configs default to the encoder (bidirectional attention over the prompt); as a causal
     # LM such a model is a decoder, as checkpoints trained for generation say.
     decoder = {"is_decoder": True} if hasattr(default, "is_decoder") else {}

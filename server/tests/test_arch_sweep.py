@@ -160,6 +160,7 @@ def test_families_the_sweep_found_differing_now_give_transformers_tokens(tmp_pat
         ("dbrx", "DbrxForCausalLM"),  # its attention and expert configs, which the size names miss
         ("roc_bert", "RoCBertForCausalLM"),  # glyph-shape and pronunciation embeddings set small too
         ("xmod", "XmodForCausalLM"),  # a default language for its adapters
+        ("inkling2_text", "Inkling2ForCausalLM"),  # sliding layers' own heads; an unpadded LM head
     ],
 )
 def test_configs_the_size_names_missed_are_built_tiny_and_give_transformers_tokens(

@@ -14,7 +14,12 @@ from transformers import AutoModelForCausalLM, GlmConfig, LlamaConfig, Olmo2Conf
 
 from tgserve.kernels import dispatch
 from tgserve.server.loading.hf_compat import dtype_kwargs
-from tgserve.server.models.fallback_rotary import kernel_forms, kernel_rotary, swap_in_kernel_rotary
+from tgserve.server.models.fallback_rotary import (
+    _replacement,
+    kernel_forms,
+    kernel_rotary,
+    swap_in_kernel_rotary,
+)
 
 TINY = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
@@ -82,6 +87,26 @@ def test_outside_the_engine_and_for_other_shapes_transformers_function_runs(kern
         swapped(q.transpose(1, 2), k.transpose(1, 2), cos, sin, unsqueeze_dim=2)  # another layout
         swapped(*_rope_inputs(5, torch.float64, torch.float64))  # a dtype no probe approved
     assert kernel_calls == []
+
+
+def test_a_call_by_keyword_without_keys_runs_transformers_function(kernel_calls):
+    """Qwen4-Exp's rotary takes `k=None` and is called `q, cos=..., sin=...` for queries alone."""
+
+    def queries_or_both(q, k=None, cos=None, sin=None, unsqueeze_dim=1):
+        def rotate(x):
+            half = torch.cat([-x[..., 8:], x[..., :8]], -1)
+            return x * cos.unsqueeze(unsqueeze_dim) + half * sin.unsqueeze(unsqueeze_dim)
+
+        return rotate(q) if k is None else (rotate(q), rotate(k))
+
+    swapped = _replacement(queries_or_both)
+    q, k, cos, sin = _rope_inputs(5, torch.float32, torch.float32)
+    swapped.tgserve_approved[(torch.float32, torch.float32)] = False
+    with kernel_rotary():
+        assert torch.equal(swapped(q, cos=cos, sin=sin), queries_or_both(q, cos=cos, sin=sin))
+        assert kernel_calls == []
+        swapped(q, k, cos, sin)  # the engine's form still takes the kernel
+    assert len(kernel_calls) == 1
 
 
 def test_an_interleaved_rotary_keeps_its_own_function():
