@@ -33,6 +33,7 @@ SAMPLE = [
     # Layers with state the paged cache cannot hold: served by recomputation, with their own attention.
     ("mamba", "MambaForCausalLM"),  # a state-space model, no attention at all
     ("qwen3_5_text", "Qwen3_5ForCausalLM"),  # gated DeltaNet (linear attention) among attention layers
+    ("qwen4_exp_text", "Qwen4ExpForCausalLM"),  # calls its rotary by keyword, for queries alone
 ]
 GEMMA_4_LAYERS = dict(layer_types=["sliding_attention", "full_attention"] * 2, num_hidden_layers=4)
 
