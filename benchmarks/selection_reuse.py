@@ -41,13 +41,17 @@ class ChoiceRecorder:
         self._select = dispatch.select_decode_blocks
 
     def __enter__(self) -> ChoiceRecorder:
-        def recording(query, key_summary, block_tables, seq_lens, selection, *rest, **kwargs):
-            chosen = self._select(query, key_summary, block_tables, seq_lens, selection, *rest, **kwargs)
-            self.calls.append(chosen.cpu())
+        def recording(*args, **kwargs):
+            chosen = self._select(*args, **kwargs)
+            self.record(chosen, args, kwargs)
             return chosen
 
         dispatch.select_decode_blocks = recording
         return self
+
+    def record(self, chosen: torch.Tensor, args: tuple, kwargs: dict) -> None:
+        """Keep one call's choice (`args`, `kwargs`: the call's, for a subclass that selects again)."""
+        self.calls.append(chosen.cpu())
 
     def __exit__(self, *exc) -> None:
         dispatch.select_decode_blocks = self._select

@@ -30,7 +30,6 @@ from collections.abc import Callable
 import torch
 from selection_reuse import ChoiceRecorder  # this script's folder is on sys.path when run as a script
 
-from tgserve.kernels import dispatch
 from tgserve.server.config.engine_args import EngineArgs
 from tgserve.server.engine.llm_engine import LLMEngine
 from tgserve.server.loading.default_model import default_model_gguf
@@ -90,25 +89,17 @@ class SpeculatingRecorder(ChoiceRecorder):
         self.layers, self.taps = layers, taps
         self.speculated: dict[str, list[torch.Tensor | None]] = {point: [] for point in POINTS}
 
-    def __enter__(self) -> SpeculatingRecorder:
-        select = self._select
-
-        def recording(query, key_summary, block_tables, seq_lens, selection, *rest, **kwargs):
-            chosen = select(query, key_summary, block_tables, seq_lens, selection, *rest, **kwargs)
-            layer = len(self.calls) % len(self.layers)
-            self.calls.append(chosen.cpu())
-            for point in POINTS:
-                stream = self.taps.streams.get((point, layer - 1)) if layer > 0 else None
-                if stream is None or stream.shape[0] != query.shape[0]:
-                    self.speculated[point].append(None)
-                    continue
-                guess = speculative_query(self.layers[layer], stream, self.taps.positions)
-                guessed = select(guess, key_summary, block_tables, seq_lens, selection, *rest, **kwargs)
-                self.speculated[point].append(guessed.cpu())
-            return chosen
-
-        dispatch.select_decode_blocks = recording
-        return self
+    def record(self, chosen: torch.Tensor, args: tuple, kwargs: dict) -> None:
+        layer = len(self.calls) % len(self.layers)
+        super().record(chosen, args, kwargs)
+        query, rest = args[0], args[1:]
+        for point in POINTS:
+            stream = self.taps.streams.get((point, layer - 1)) if layer > 0 else None
+            if stream is None or stream.shape[0] != query.shape[0]:
+                self.speculated[point].append(None)
+                continue
+            guess = speculative_query(self.layers[layer], stream, self.taps.positions)
+            self.speculated[point].append(self._select(guess, *rest, **kwargs).cpu())
 
 
 def shares(

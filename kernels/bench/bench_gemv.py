@@ -145,8 +145,7 @@ def tune(write: Path | None) -> None:
         config = candidates[best]
         pick = config if us < CUBLAS_MARGIN * cublas else CUBLAS
         chosen[shape_key(n, k)] = pick
-        best = min(us, cublas)
-        print(f"| {n}x{k} | {cublas:.2f} | {default:.2f} | {us:.2f} | {config} | {n * k * 2 / best / 1e6:.2f} | "
+        print(f"| {n}x{k} | {cublas:.2f} | {default:.2f} | {us:.2f} | {config} | {n * k * 2 / min(us, cublas) / 1e6:.2f} | "
               f"{'cuBLAS' if pick == CUBLAS else 'skinny'} |", flush=True)  # fmt: skip
         if write is not None:  # after each shape: a run cut short keeps what it measured
             record(write, chosen)
