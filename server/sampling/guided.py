@@ -310,6 +310,11 @@ class GuidedMatchers:
         future = self._prepared.get(request_id)
         return future is not None and future.done()
 
+    def wait_for_compiles(self) -> None:
+        """Until every matcher being built is done: a caller that wants the step a guided request
+        joins to be the same on any host (a test of the schedule) waits here before each step."""
+        wait(list(self._prepared.values()))
+
     def wait_for_any(self, timeout_s: float) -> None:
         """Until one of the matchers being built, or of the masks deferred requests wait for, is
         done, or `timeout_s` (an idle loop's pause)."""

@@ -83,8 +83,13 @@ def make_engine(async_scheduling: bool) -> LLMEngine:
 
 
 def serve(engine: LLMEngine, params: dict[str, SamplingParams]) -> dict[str, Seen]:
+    """Runs the workload on a schedule that is the same on every host: grammars compiled before the
+    step after their arrival, masks waited for (on a slow host a late compile or mask would move a
+    guided request to a later step, and the preemptions this workload is built to cause may vanish)."""
+    engine.runner.late_mask_grace_s = None
     seen = {request_id: Seen() for request_id in params}
     for step in range(1000):
+        engine.runner.guided.wait_for_compiles()
         for i, arrival in enumerate(ARRIVALS):
             if arrival == step and f"r{i}" in params:
                 engine.add_request(f"r{i}", PROMPTS[i], params[f"r{i}"])
