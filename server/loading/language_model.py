@@ -8,8 +8,9 @@ checkpoint's language-model weights under that class's names. The vision tower's
 read. Requests with image content are refused by the router, as for any model.
 
 Checkpoints name the language model's weights `language_model.model.*` (Gemma 3, Mistral 3,
-Llama 4, as published) or `model.language_model.*` (transformers 5's layout, Qwen3.5); the head is
-`language_model.lm_head.*` or `lm_head.*`.
+Llama 4, as published), `model.language_model.*` (transformers 5's layout, Qwen3.5) or
+`text_model.model.*` (Emu3); the head is `language_model.lm_head.*`, `text_model.lm_head.*` or
+`lm_head.*`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from tgserve.server.loading.source import ModelSource
 LANGUAGE_MODEL_PREFIXES = (
     ("language_model.model.", "model."),
     ("model.language_model.", "model."),
+    ("text_model.model.", "model."),  # Emu3
     ("language_model.lm_head.", "lm_head."),
+    ("text_model.lm_head.", "lm_head."),
     ("lm_head.", "lm_head."),
 )
 # Settings a composite config may state at its top level for its language model.

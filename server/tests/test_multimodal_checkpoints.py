@@ -34,6 +34,7 @@ PUBLISHED = [
     ("mistral3", "Mistral3ForConditionalGeneration"),  # native llama family (Mistral)
     ("qwen3_5", "Qwen3_5ForConditionalGeneration"),  # fallback, state kept; `model.language_model.*`
     ("gemma4", "Gemma4ForConditionalGeneration"),  # fallback; its towers optional (none here)
+    ("emu3", "Emu3ForConditionalGeneration"),  # fallback; `text_model.model.*` weights, a VQ-GAN beside
 ]
 
 
@@ -55,13 +56,33 @@ def test_language_model_weights_take_either_layout_and_leave_the_vision_tower_ou
         ("vision_tower.encoder.layers.0.mlp.fc1.weight", 5),
         ("model.visual.patch_embed.proj.weight", 6),
         ("multi_modal_projector.linear_1.weight", 7),
+        ("text_model.model.norm.weight", 8),
+        ("text_model.lm_head.weight", 9),
+        ("vqmodel.encoder.conv_in.weight", 10),
     ]
     assert list(language_model_weights(weights)) == [
         ("model.layers.0.mlp.up_proj.weight", 1),
         ("model.embed_tokens.weight", 2),
         ("lm_head.weight", 3),
         ("lm_head.weight", 4),
+        ("model.norm.weight", 8),
+        ("lm_head.weight", 9),
     ]
+
+
+def test_a_checkpoint_that_lacks_language_model_weights_is_refused_not_served_at_random(tmp_path):
+    """transformers fills the weights a checkpoint lacks at random and only warns; the fallback's
+    load refuses such a checkpoint, naming what is missing."""
+    from safetensors.torch import load_file, save_file
+
+    saved_tiny_multimodal_model("gemma4", "Gemma4ForConditionalGeneration", tmp_path)
+    copy_tokenizer(_tokenizer_dir(default_cache_dir()), tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    gone = next(name for name in weights if name.endswith("layers.1.mlp.up_proj.weight"))
+    del weights[gone]
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"lacks 1 weights .*layers\.1\.mlp\.up_proj\.weight"):
+        LLMEngine(EngineArgs(model=str(tmp_path), **TIGHT))
 
 
 def test_a_language_model_without_a_causal_lm_class_is_refused_by_name(tmp_path):
