@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tgserve.server.attention.forward_context import get_forward_context, paged_attention
-from tgserve.server.loading.errors import ModelLoadError
+from tgserve.server.loading.errors import refuse_missing_weights
 from tgserve.server.loading.hf_compat import dtype_kwargs
 from tgserve.server.models.fallback_linears import swap_in_kernel_linears
 from tgserve.server.models.fallback_norms import swap_in_kernel_norms
@@ -186,18 +186,6 @@ def load_fallback_model(
     if not supports_attention_interface(type(hf_model)) and is_recomputed(type(hf_model), config.model_type):
         return RecomputingFallbackModel(hf_model)
     return TransformersFallbackModel(hf_model)
-
-
-def refuse_missing_weights(class_name: str, path: str, missing: Any) -> None:
-    """transformers initialises the weights a checkpoint lacks at random and only warns: served,
-    such a model answers with noise (a multimodal checkpoint whose language model is stored under
-    a prefix the loader does not map would lose all of them). Refused by name instead."""
-    if missing:
-        names = sorted(missing)
-        raise ModelLoadError(
-            f"checkpoint {path} lacks {len(names)} weights of {class_name}, e.g. {names[:3]}: "
-            "the model would run with random weights there"
-        )
 
 
 def _causal_lm_class(config: Any) -> Any:

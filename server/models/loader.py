@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from tgserve.server.distributed.tensor_parallel import tensor_parallel
-from tgserve.server.loading.errors import ModelLoadError
+from tgserve.server.loading.errors import ModelLoadError, refuse_missing_weights
 from tgserve.server.loading.hf_compat import dtype_kwargs, renamed_checkpoint_weights
 from tgserve.server.loading.language_model import (
     is_language_model_weight,
@@ -151,9 +151,11 @@ def _gguf_weights(source: ModelSource, config: Any) -> Iterator[tuple[str, torch
     from transformers import AutoModelForCausalLM
 
     try:
-        hf_model = AutoModelForCausalLM.from_pretrained(
-            source.directory, gguf_file=source.gguf_file, config=config, **dtype_kwargs(torch.float32)
-        )
+        hf_model, loading = AutoModelForCausalLM.from_pretrained(
+            source.directory, gguf_file=source.gguf_file, config=config, output_loading_info=True,
+            **dtype_kwargs(torch.float32),
+        )  # fmt: skip
     except (OSError, ValueError, RuntimeError) as exc:
         raise ModelLoadError(f"cannot read GGUF weights {source.display_name}: {exc}") from exc
+    refuse_missing_weights(type(hf_model).__name__, source.display_name, loading["missing_keys"])
     yield from hf_model.state_dict().items()

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tgserve.server.loading.errors import ModelLoadError
+from tgserve.server.loading.errors import ModelLoadError, refuse_missing_weights
 from tgserve.server.loading.hf_compat import dtype_kwargs
 from tgserve.server.loading.language_model import language_model_key_mapping
 from tgserve.server.loading.source import ModelSource, safetensors_files, verify_safetensors
@@ -56,16 +56,18 @@ def load_fallback_model(
     from transformers import AutoModelForCausalLM
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model, loading = AutoModelForCausalLM.from_pretrained(
             source.directory,
             config=config,
             gguf_file=source.gguf_file,
             trust_remote_code=trust_remote_code,
+            output_loading_info=True,
             **dtype_kwargs(dtype),
             **({"key_mapping": language_model_key_mapping()} if source.language_model_only else {}),
         )
     except (OSError, ValueError, RuntimeError) as exc:
         raise ModelLoadError(f"cannot load {source.display_name} through transformers: {exc}") from exc
+    refuse_missing_weights(type(model).__name__, source.display_name, loading["missing_keys"])
     return model.eval().to(device)
 
 
