@@ -7,6 +7,10 @@ causal-LM class transformers names for its type (native where tgserve has one), 
 checkpoint's language-model weights under that class's names. The vision tower's tensors are not
 read. Requests with image content are refused by the router, as for any model.
 
+Where a multimodal config has no text config of its own (Phi-4-multimodal, GIT: the language
+model's settings at its top level, beside its towers' configs), there is nothing to separate: the
+checkpoint's causal-LM class is served whole, its towers loaded and never run.
+
 Checkpoints name the language model's weights `language_model.model.*` (Gemma 3, Mistral 3,
 Llama 4, as published), `model.language_model.*` (transformers 5's layout, Qwen3.5) or
 `text_model.model.*` (Emu3); the head is `language_model.lm_head.*`, `text_model.lm_head.*` or

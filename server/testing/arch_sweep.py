@@ -176,52 +176,73 @@ def tiny_config(model_type: str, ids: Any, **overrides: Any) -> Any:
         raise Refused("encoder-decoder")
     if any(getattr(default, part, None) is not None for part in MULTIMODAL_PARTS):
         raise Refused(MULTIMODAL)
+    # BERT-style configs default to the encoder (bidirectional attention over the prompt); as a causal
+    # LM such a model is a decoder, as checkpoints trained for generation say.
+    decoder = {"is_decoder": True} if hasattr(default, "is_decoder") else {}
+    return AutoConfig.for_model(
+        model_type, **(text_sizes(default, ids) | decoder | ids.as_kwargs() | overrides)
+    )
+
+
+def text_sizes(default: Any, ids: Any) -> dict[str, Any]:
+    """The size names a language model's config has, set small (`SIZES`, kept consistent)."""
     settable = [name for name in SIZES if not isinstance(getattr(type(default), name, None), property)]
     sizes = {name: SIZES[name] for name in settable if _has(default, name)}
     sizes |= consistent_sizes(default, sizes) | per_layer_inputs(default, ids.vocab_size)
     if "unpadded_vocab_size" in vars(default):  # Inkling 2's LM head: the vocabulary before padding
         sizes["unpadded_vocab_size"] = ids.vocab_size
-    # BERT-style configs default to the encoder (bidirectional attention over the prompt); as a causal
-    # LM such a model is a decoder, as checkpoints trained for generation say.
-    decoder = {"is_decoder": True} if hasattr(default, "is_decoder") else {}
-    return AutoConfig.for_model(model_type, **(sizes | decoder | ids.as_kwargs() | overrides))
+    return sizes
 
 
 # A vision or audio tower's sizes, which text generation never runs: as small as its config takes.
 TOWER_SIZES = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "depth": 1,
                 "num_attention_heads": 2, "num_heads": 2, "downsample_hidden_size": 16,
                 # Emu3's image tokenizer (a VQ-GAN): a small codebook, one narrow level.
-                "codebook_size": 32, "base_channels": 32, "channel_multiplier": [1], "num_res_blocks": 1}  # fmt: skip
+                "codebook_size": 32, "base_channels": 32, "channel_multiplier": [1], "num_res_blocks": 1,
+                # Phi-4-multimodal's speech encoder: its convolutions' channels.
+                "nemo_conv_channels": 32, "ext_pw_out_channel": 32, "depthwise_separable_out_channel": 32}  # fmt: skip
 TOWERS = ("vision_config", "audio_config", "vq_config")
 
 
 def tiny_multimodal_config(model_type: str, ids: Any) -> Any:
-    """A multimodal model type's config with a tiny language model (`tiny_config` of its text
-    config's type) and its vision and audio towers at one small layer, which the engine leaves out
-    (it serves the language model); raises Refused where the type has no separate text config."""
+    """A multimodal model type's config with a tiny language model and its vision and audio towers
+    at one small layer. The language model is `tiny_config` of its text config's type, or where the
+    type has none (Phi-4-multimodal, GIT: the language model's settings at the top level, beside the
+    towers' configs) those settings set small. The engine serves the language model; for the
+    second kind, the model's class whole, its towers loaded and never run."""
     from transformers import AutoConfig
 
     default = AutoConfig.for_model(model_type)
     text_type = default.get_text_config().model_type if hasattr(default, "get_text_config") else model_type
     if text_type == model_type:
-        raise Refused(MULTIMODAL)
+        if not any(getattr(default, part, None) is not None for part in TOWERS):  # BLT's byte-level parts
+            parts = [part for part in MULTIMODAL_PARTS if getattr(default, part, None) is not None]
+            raise Refused(f"sub-models that are not a vision or audio tower ({', '.join(parts)}): not shrunk")
+        text = text_sizes(default, ids) | CHECKPOINT_SETTINGS.get(model_type, {})
+        towers = shrunk_towers(default, text.get("hidden_size", SIZES["hidden_size"]))
+        return AutoConfig.for_model(model_type, **(text | towers | ids.as_kwargs()))
     text = tiny_config(text_type, ids, **CHECKPOINT_SETTINGS.get(text_type, {}))
+    towers = shrunk_towers(default, text.hidden_size)
+    return AutoConfig.for_model(
+        model_type, text_config=text.to_dict(), **towers, **image_vocabulary(default, ids), **ids.as_kwargs()
+    )
+
+
+def shrunk_towers(default: Any, text_hidden: int) -> dict[str, dict[str, Any]]:
+    """The config's vision, audio and image-tokenizer configs at `TOWER_SIZES`, their projections
+    into the language model `text_hidden` wide."""
     towers = {}
     for part in TOWERS:
         if getattr(default, part, None) is not None:
             sizes = getattr(default, part).to_dict()
             sizes |= {name: value for name, value in TOWER_SIZES.items() if name in sizes}
             sizes |= {
-                name: text.hidden_size
-                for name in ("out_hidden_size", "projector_output_dim")
-                if name in sizes
+                name: text_hidden for name in ("out_hidden_size", "projector_output_dim") if name in sizes
             }
             sizes |= {name: 32 for name in ("vision_output_dim", "projector_input_dim") if name in sizes}
-            sizes |= tower_adapters(sizes, text.hidden_size)
+            sizes |= tower_adapters(sizes, text_hidden)
             towers[part] = sizes
-    return AutoConfig.for_model(
-        model_type, text_config=text.to_dict(), **towers, **image_vocabulary(default, ids), **ids.as_kwargs()
-    )
+    return towers
 
 
 def image_vocabulary(default: Any, ids: Any) -> dict[str, Any]:
@@ -381,7 +402,6 @@ def run_one(model_type: str, architecture: str, workdir: Path, **overrides: Any)
     """Build (`tiny_config`, with the type's checkpoint settings and `overrides`), save, generate
     both ways, compare (in this process)."""
     overrides = CHECKPOINT_SETTINGS.get(model_type, {}) | overrides
-    import torch
     import transformers
 
     from tgserve.server.engine.llm import LLM
@@ -404,22 +424,22 @@ def run_one(model_type: str, architecture: str, workdir: Path, **overrides: Any)
         [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21],
         [5, 6, 7, 8, 9, 10, 11, 12, 30, 31],
     ]
+    against = ""
     try:
-        with torch.device("meta"):
-            count = sum(p.numel() for p in model_class(config).parameters())
-        if count > MAX_PARAMETERS:
+        model = saved_published_model(model_class, config, directory)
+    except Refused as why:
+        return Row(model_type, architecture, "refused", str(why))
+    except ImportError as exc:
+        # A tower needs a library this environment lacks (Gemma 3n's vision tower: timm). The engine
+        # never builds the towers, so the checkpoint can hold the language model alone.
+        if not _language_model_only(config):
             return Row(
-                model_type,
-                architecture,
-                "refused",
-                f"not shrunk by the common size names ({count:,} parameters)",
+                model_type, architecture, "untested", f"transformers: {type(exc).__name__}: {exc}"[:300]
             )
-        torch.manual_seed(0)
-        model = model_class(config).float().eval()
-        model.save_pretrained(directory)
+        model = saved_language_model_alone(config, model_class.__name__, directory)
+        against = "a checkpoint of its language model alone (its towers need a library not installed here)"
     except Exception as exc:  # the tiny config does not work in transformers either: not the engine's
         return Row(model_type, architecture, "untested", f"transformers: {type(exc).__name__}: {exc}"[:300])
-    against = ""
     try:
         want = greedy_reference(model, prompts)
     except Exception as exc:
@@ -458,6 +478,46 @@ def run_one(model_type: str, architecture: str, workdir: Path, **overrides: Any)
         note = "transformers' cached `generate` differs from its own uncached forward; the engine equals the latter"
         return Row(model_type, architecture, "exact", f"{note}: generate gave {want}", seconds)
     return Row(model_type, architecture, "differs", f"engine {got} vs transformers {want}", seconds)
+
+
+def saved_published_model(model_class: Any, config: Any, directory: Path) -> Any:
+    """The tiny model of the published class, random (seed 0), float32, saved in `directory`;
+    Refused where the size names left it larger than MAX_PARAMETERS."""
+    import torch
+
+    with torch.device("meta"):
+        count = sum(p.numel() for p in model_class(config).parameters())
+    if count > MAX_PARAMETERS:
+        raise Refused(f"not shrunk by the common size names ({count:,} parameters)")
+    torch.manual_seed(0)
+    model = model_class(config).float().eval()
+    model.save_pretrained(directory)
+    return model
+
+
+def saved_language_model_alone(config: Any, published: str, directory: Path) -> Any:
+    """A multimodal checkpoint whose towers cannot be built here: its language model alone (the
+    causal-LM class of its text config, random, seed 0), saved under the composite's names
+    (`model.language_model.*`, `lm_head.*`) beside the composite's config."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    text = config.get_text_config()
+    torch.manual_seed(0)
+    model = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[text.model_type])(text).float().eval()
+    tied = model.config.tie_word_embeddings
+    weights = {
+        name.replace("model.", "model.language_model.", 1): tensor.contiguous()
+        for name, tensor in model.state_dict().items()
+        if not (tied and name == "lm_head.weight")
+    }
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+    config.architectures = [published]
+    config.save_pretrained(directory)
+    return model
 
 
 def greedy_reference(model: Any, prompts: list[list[int]]) -> list[list[int]]:

@@ -31,6 +31,8 @@ SAMPLE = [
     ("gemma3n_text", "Gemma3nForCausalLM"),  # the last layers reuse earlier layers' KV; per-layer inputs
     ("mimo_v2_flash", "MiMoV2FlashForCausalLM"),  # sliding layers with twice the KV heads, and sinks
     ("dory", "DoryForCausalLM"),  # a stack of layers looped twice, each loop with its own KV
+    ("gemma3n", "Gemma3nForConditionalGeneration"),  # its language model from a composite checkpoint
+    ("phi4_multimodal", "Phi4MultimodalForCausalLM"),  # served whole: text settings beside its towers
     # Layers with state the paged cache cannot hold: served by recomputation, with their own attention.
     ("mamba", "MambaForCausalLM"),  # a state-space model, no attention at all
     ("qwen3_5_text", "Qwen3_5ForCausalLM"),  # gated DeltaNet (linear attention) among attention layers

@@ -35,6 +35,7 @@ PUBLISHED = [
     ("qwen3_5", "Qwen3_5ForConditionalGeneration"),  # fallback, state kept; `model.language_model.*`
     ("gemma4", "Gemma4ForConditionalGeneration"),  # fallback; its towers optional (none here)
     ("emu3", "Emu3ForConditionalGeneration"),  # fallback; `text_model.model.*` weights, a VQ-GAN beside
+    ("phi4_multimodal", "Phi4MultimodalForCausalLM"),  # fallback, whole: the text settings at the top level
 ]
 
 
