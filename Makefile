@@ -17,7 +17,7 @@ COMPAT_STAMP       := $(COMPAT_VENV)/.installed
 COMPAT_TESTS := server/tests/test_parity.py server/tests/test_fixtures.py server/tests/test_gguf_tokenizer.py \
 	server/tests/test_fallback_norms.py server/tests/test_fallback_linears.py server/tests/test_fallback_rotary.py server/tests/test_llm_api.py server/tests/test_prompt_logprobs.py \
 	router/tests/test_app.py router/tests/test_detokenizer.py router/tests/test_generation.py \
-	router/tests/test_validation.py server/tests/test_optimum_habana_engine.py
+	router/tests/test_validation.py server/tests/test_optimum_habana_engine.py server/tests/test_gguf_missing_weights.py
 
 .PHONY: install test test-unit test-compat test-gpu test-arch reliability lint run bench clean docker-cuda docker-gaudi
 
