@@ -420,6 +420,10 @@ def run_one(model_type: str, architecture: str, workdir: Path, **overrides: Any)
         return Row(model_type, architecture, "untested", f"config: {type(exc).__name__}: {exc}"[:300])
     model_class = getattr(transformers, _published_class(config, architecture))
     directory = workdir / model_type
+
+    def untested(exc: Exception) -> Row:  # transformers fails on the tiny model too: not the engine's
+        return Row(model_type, architecture, "untested", f"transformers: {type(exc).__name__}: {exc}"[:300])
+
     prompts = [
         [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21],
         [5, 6, 7, 8, 9, 10, 11, 12, 30, 31],
@@ -433,20 +437,16 @@ def run_one(model_type: str, architecture: str, workdir: Path, **overrides: Any)
         # A tower needs a library this environment lacks (Gemma 3n's vision tower: timm). The engine
         # never builds the towers, so the checkpoint can hold the language model alone.
         if not _language_model_only(config):
-            return Row(
-                model_type, architecture, "untested", f"transformers: {type(exc).__name__}: {exc}"[:300]
-            )
+            return untested(exc)
         model = saved_language_model_alone(config, model_class.__name__, directory)
         against = "a checkpoint of its language model alone (its towers need a library not installed here)"
-    except Exception as exc:  # the tiny config does not work in transformers either: not the engine's
-        return Row(model_type, architecture, "untested", f"transformers: {type(exc).__name__}: {exc}"[:300])
+    except Exception as exc:
+        return untested(exc)
     try:
         want = greedy_reference(model, prompts)
     except Exception as exc:
         if not _language_model_only(config):
-            return Row(
-                model_type, architecture, "untested", f"transformers: {type(exc).__name__}: {exc}"[:300]
-            )
+            return untested(exc)
         # Llama 4's composite class cannot generate from text alone (transformers 5.24: its output
         # has no `image_outputs`); its language model's class over the same weights can.
         model = text_class_model(directory)
